@@ -1,0 +1,49 @@
+"""Default: a tiny hybrid KDA/MLA sparse-MoE model that trains on CPU.
+
+Trains byte-level on the embedded corpus (the Python standard library's own
+source) in a few minutes on 2 CPU cores, compile included.
+
+Launch (from the repo root):
+  python -m experiments.train --config=configs/default.py --workdir=runs/default
+Variants (comma-separated after a colon):
+  python -m experiments.train --config=configs/default.py:standard_residual --workdir=runs/std
+  python -m experiments.train --config=configs/default.py:unbounded_decay --workdir=runs/unb
+  python -m experiments.train --config=configs/default.py:sign --workdir=runs/sign
+Overrides:
+  python -m experiments.train --config=configs/default.py \
+      --config.model.moe.num_experts=32 --config.train.steps=500 --workdir=runs/e32
+"""
+from moe_jax.config_base import apply_variant, base_config, setter
+
+
+VARIANTS = {
+    # Ablations of the architecture.
+    "standard_residual": setter(**{"model.residual": "standard"}),
+    "full_attn_res": setter(**{"model.attn_res_layers_per_block": 1}),
+    "unbounded_decay": setter(**{"model.kda.decay": "unbounded"}),
+    "all_kda": setter(**{"model.layer_pattern": "K"}),
+    "all_mla": setter(**{"model.layer_pattern": "M"}),
+    # Load balancing baselines.
+    "qb": setter(**{"model.moe.balancing": "qb"}),
+    "sign": setter(**{"model.moe.balancing": "sign"}),
+    "aux": setter(**{"model.moe.balancing": "aux"}),
+    "no_balancing": setter(**{"model.moe.balancing": "none"}),
+    # Smaller and shorter, for tests and notebooks.
+    "tiny": setter(**{"model.d_model": 32, "model.num_layers": 2,
+                      "model.layer_pattern": "KM", "model.kda.chunk_size": 16,
+                      "model.kda.decay_rank": 8, "model.kda.gate_rank": 8,
+                      "model.mla.kv_lora_rank": 16,
+                      "model.mla.qk_nope_head_dim": 16,
+                      "model.mla.v_head_dim": 16, "model.moe.num_experts": 8,
+                      "model.moe.d_expert": 32, "model.moe.d_shared": 32}),
+    "smoke": setter(**{"train.steps": 6, "train.warmup_steps": 2,
+                     "train.log_every": 2, "train.eval_every": 3,
+                     "train.checkpoint_every": 3, "train.eval_batches": 2,
+                     "data.seq_len": 32, "data.batch_size": 4,
+                     "data.max_bytes": 400_000, "train.progress_bar": False}),
+}
+
+
+def get_config(arg: str | None = None):
+  """Default config; `arg` names variants to apply, e.g. 'sign,smoke'."""
+  return apply_variant(base_config(), arg, VARIANTS)

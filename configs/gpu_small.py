@@ -1,0 +1,57 @@
+"""gpu_small: about 100M total parameters for one GPU (bf16 compute).
+
+Hybrid 3 KDA : 1 MLA, 8 layers of d_model 512, 64 routed experts (top-4) plus
+one shared expert, Block Attention Residuals, Quantile Balancing.
+
+Launch on a GPU machine (from the repo root):
+  python -m experiments.train --config=configs/gpu_small.py --workdir=runs/gpu_small
+Variants: standard_residual, unbounded_decay, sign, aux, no_balancing, short.
+  python -m experiments.train --config=configs/gpu_small.py:sign --workdir=runs/gs_sign
+"""
+from moe_jax.config_base import apply_variant, base_config, setter
+
+
+VARIANTS = {
+    "standard_residual": setter(**{"model.residual": "standard"}),
+    "unbounded_decay": setter(**{"model.kda.decay": "unbounded"}),
+    "sign": setter(**{"model.moe.balancing": "sign"}),
+    "aux": setter(**{"model.moe.balancing": "aux"}),
+    "no_balancing": setter(**{"model.moe.balancing": "none"}),
+    "short": setter(**{"train.steps": 200, "train.warmup_steps": 20,
+                     "train.eval_every": 100, "train.checkpoint_every": 100}),
+}
+
+
+def get_config(arg: str | None = None):
+  c = base_config()
+  m = c.model
+  m.d_model = 512
+  m.num_layers = 8
+  m.layer_pattern = "KKKM"
+  m.dtype = "bfloat16"
+  m.attn_res_layers_per_block = 2
+  m.kda.num_heads = 4            # head dim 128
+  m.kda.decay_rank = 64
+  m.kda.gate_rank = 64
+  m.kda.chunk_size = 64
+  m.mla.num_heads = 8
+  m.mla.kv_lora_rank = 256
+  m.mla.q_lora_rank = 0
+  m.mla.qk_nope_head_dim = 64
+  m.mla.v_head_dim = 64
+  m.moe.num_experts = 64
+  m.moe.top_k = 4
+  m.moe.d_expert = 256
+  m.moe.num_shared = 1
+  m.moe.d_shared = 1024
+  c.data.seq_len = 1024
+  c.data.batch_size = 32
+  c.train.steps = 5000
+  c.train.learning_rate = 1.5e-3
+  c.train.warmup_steps = 200
+  c.train.schedule = "wsd"
+  c.train.log_every = 20
+  c.train.eval_every = 500
+  c.train.eval_batches = 16
+  c.train.checkpoint_every = 500
+  return apply_variant(c, arg, VARIANTS)

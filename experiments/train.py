@@ -1,0 +1,42 @@
+r"""Trains a model from an ml_collections config file.
+
+  python -m experiments.train --config=configs/default.py --workdir=runs/default
+  python -m experiments.train --config=configs/default.py:sign \
+      --config.model.moe.num_experts=64 --workdir=runs/sign64
+
+Re-running with the same --workdir resumes from its latest checkpoint.
+"""
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from moe_jax.config_validation import validate_config
+from moe_jax.train.loop import train_and_evaluate
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", "configs/default.py",
+    "Config file, optionally with variants: path.py[:variant,variant].",
+    lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", "runs/default",
+                               "Where checkpoints and metrics go.")
+_STOP_AT = flags.DEFINE_integer(
+    "stop_at_step", None, "Stop (after checkpointing) at this step, keeping "
+    "the schedule of train.steps; rerun to continue.")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  config = _CONFIG.value
+  validate_config(config)  # Before anything touches an accelerator.
+  logging.info("Config:\n%s", config)
+  result = train_and_evaluate(config, _WORKDIR.value,
+                              stop_at_step=_STOP_AT.value)
+  summary = {k: result[k] for k in ("step", "loss", "val_loss", "val_bpb",
+                                    "unigram_bpb", "val_bpb_over_unigram")
+             if k in result}
+  print("final:", " ".join(f"{k}={v:.4f}" if isinstance(v, float) else
+                           f"{k}={v}" for k, v in summary.items()))
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,127 @@
+"""The full config schema with defaults, and the variant mechanism.
+
+Config files under configs/ start from `base_config()` and change what they
+need; every field that exists is listed here, so a typo in an override fails
+loudly (ml_collections rejects unknown keys) and `validate_config` knows every
+value it must check. Ground floor: imports nothing of ours.
+"""
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import ml_collections
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """Every field of a run, with defaults suited to a small CPU model."""
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+
+  # ----- model -----
+  m = c.model = ml_collections.ConfigDict()
+  m.vocab_size = 259            # 256 bytes + PAD, BOS, EOS (moe_jax.data)
+  m.d_model = 64
+  m.num_layers = 4              # transformer layers; each = mixer + FFN sublayer
+  m.layer_pattern = "KKKM"      # K = KDA, M = gated MLA; tiled over num_layers
+  m.dtype = "float32"           # compute dtype: float32 | bfloat16
+  m.param_dtype = "float32"
+  m.norm_eps = 1e-6
+  m.residual = "block_attn_res"  # block_attn_res | standard
+  m.attn_res_layers_per_block = 2  # sublayers per AttnRes block (1 = full AttnRes)
+
+  kda = m.kda = ml_collections.ConfigDict()
+  kda.num_heads = 2             # head_dim = d_model // num_heads (K = V)
+  kda.decay = "bounded"         # bounded: g = g_min*sigmoid(..); unbounded: -a*softplus(..)
+  kda.g_min = -5.0
+  kda.decay_rank = 16           # low-rank projection feeding the decay
+  kda.gate_rank = 16            # low-rank output gate
+  kda.conv_size = 4             # depthwise causal short conv width
+  kda.chunk_size = 32
+  kda.backend = "auto"          # auto | xla | pallas | interpret
+
+  mla = m.mla = ml_collections.ConfigDict()
+  mla.num_heads = 2
+  mla.kv_lora_rank = 32
+  mla.q_lora_rank = 0           # 0 = full-rank query projection
+  mla.qk_nope_head_dim = 32
+  mla.qk_rope_head_dim = 0      # 0 = NoPE (the default: KDA layers carry position)
+  mla.v_head_dim = 32
+  mla.rope_theta = 10000.0
+  mla.attention_impl = "auto"   # auto | xla | cudnn (jax.nn.dot_product_attention)
+
+  moe = m.moe = ml_collections.ConfigDict()
+  moe.num_experts = 16
+  moe.top_k = 2
+  moe.d_expert = 64             # hidden width of each routed SwiGLU expert
+  moe.num_shared = 1            # shared experts (0 allowed)
+  moe.d_shared = 64
+  moe.route_scale = 1.0
+  moe.first_dense_layers = 0    # leading layers with a dense SwiGLU instead of the MoE
+  moe.d_dense = 128
+  moe.dispatch = "ragged"       # ragged (sort + ragged_dot) | loop (reference)
+  moe.balancing = "qb"          # qb | sign | aux | none
+  moe.qb_ema = 0.0              # b <- ema*b + (1-ema)*b_new
+  moe.sign_rate = 1e-3          # sign-rule step u
+  moe.aux_loss_coef = 1e-2      # Switch-style aux loss coefficient (balancing=aux)
+
+  # ----- data -----
+  d = c.data = ml_collections.ConfigDict()
+  d.source = "stdlib"           # stdlib | token_file
+  d.path = ""                   # token_file: flat binary file of token ids
+  d.val_path = ""               # token_file: optional separate validation file
+  d.token_dtype = "uint16"      # uint16 | uint32
+  d.val_fraction = 0.05
+  d.max_bytes = 0               # 0 = the whole corpus
+  d.seq_len = 128
+  d.batch_size = 16             # global batch, sequences per step
+
+  # ----- optimisation -----
+  t = c.train = ml_collections.ConfigDict()
+  t.steps = 300
+  t.learning_rate = 3e-3
+  t.warmup_steps = 30
+  t.schedule = "cosine"         # cosine | wsd | constant
+  t.decay_fraction = 0.2        # wsd: fraction of steps spent decaying
+  t.min_lr_ratio = 0.1
+  t.weight_decay = 0.1
+  t.b1 = 0.9
+  t.b2 = 0.95
+  t.eps = 1e-8
+  t.grad_clip = 1.0
+  t.log_every = 10
+  t.eval_every = 100
+  t.eval_batches = 8
+  t.checkpoint_every = 100
+  t.keep_checkpoints = 2
+  t.progress_bar = True
+  return c
+
+
+VariantFn = Callable[[ml_collections.ConfigDict], None]
+
+
+def setter(**updates) -> VariantFn:
+  """A variant that sets dotted fields: setter(**{"model.residual": "standard"})."""
+  def variant(config: ml_collections.ConfigDict) -> None:
+    for path, value in updates.items():
+      node = config
+      *parents, leaf = path.split(".")
+      for p in parents:
+        node = node[p]
+      node[leaf] = value
+  return variant
+
+
+def apply_variant(config: ml_collections.ConfigDict, arg: str | None,
+                  variants: Mapping[str, VariantFn]) -> ml_collections.ConfigDict:
+  """Applies the named variants in `arg` ("a,b") to `config` in order.
+
+  Raises ValueError naming the allowed variants for an unknown name.
+  """
+  for name in [a.strip() for a in (arg or "").split(",") if a.strip()]:
+    if name not in variants:
+      raise ValueError(
+          f"config variant {name!r} is unknown; allowed variants: "
+          f"{sorted(variants)}")
+    variants[name](config)
+  return config

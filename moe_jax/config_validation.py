@@ -1,0 +1,165 @@
+"""Validates a run config before anything is built or compiled.
+
+Every error names the field (its dotted path) and the allowed values, so a bad
+sweep entry fails in milliseconds with a message a person can act on. Ground
+floor: imports nothing of ours.
+"""
+from __future__ import annotations
+
+import ml_collections
+
+
+class ConfigError(ValueError):
+  """A config value is outside its allowed range."""
+
+
+def _get(config, path: str):
+  node = config
+  for part in path.split("."):
+    node = node[part]
+  return node
+
+
+def _one_of(config, path: str, allowed) -> None:
+  value = _get(config, path)
+  if value not in allowed:
+    raise ConfigError(
+        f"{path} must be one of {list(allowed)}, got {value!r}")
+
+
+def _int_range(config, path: str, lo: int | None = None,
+               hi: int | None = None) -> None:
+  value = _get(config, path)
+  if isinstance(value, bool) or not isinstance(value, int):
+    raise ConfigError(f"{path} must be an integer, got {value!r}")
+  if (lo is not None and value < lo) or (hi is not None and value > hi):
+    raise ConfigError(
+        f"{path} must be in [{lo if lo is not None else '-inf'}, "
+        f"{hi if hi is not None else 'inf'}], got {value}")
+
+
+def _float_range(config, path: str, lo: float | None = None,
+                 hi: float | None = None, lo_open: bool = False,
+                 hi_open: bool = False) -> None:
+  value = _get(config, path)
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    raise ConfigError(f"{path} must be a number, got {value!r}")
+  bad_lo = lo is not None and (value <= lo if lo_open else value < lo)
+  bad_hi = hi is not None and (value >= hi if hi_open else value > hi)
+  if bad_lo or bad_hi:
+    left = "(" if lo_open or lo is None else "["
+    right = ")" if hi_open or hi is None else "]"
+    raise ConfigError(
+        f"{path} must be in {left}{lo if lo is not None else '-inf'}, "
+        f"{hi if hi is not None else 'inf'}{right}, got {value}")
+
+
+def _divides(config, divisor_path: str, dividend_path: str) -> None:
+  divisor, dividend = _get(config, divisor_path), _get(config, dividend_path)
+  if divisor <= 0 or dividend % divisor:
+    raise ConfigError(
+        f"{divisor_path}={divisor} must divide {dividend_path}={dividend}; "
+        f"allowed values: the divisors of {dividend} "
+        f"({[n for n in range(1, dividend + 1) if dividend % n == 0]})")
+
+
+def validate_config(config: ml_collections.ConfigDict) -> None:
+  """Raises ConfigError (a ValueError) for the first invalid field."""
+  _int_range(config, "seed", 0)
+
+  # Model shape.
+  _int_range(config, "model.vocab_size", 2)
+  _int_range(config, "model.d_model", 8)
+  _int_range(config, "model.num_layers", 1)
+  pattern = config.model.layer_pattern
+  if not pattern or set(pattern) - {"K", "M"}:
+    raise ConfigError(
+        "model.layer_pattern must be a non-empty string of 'K' (KDA) and "
+        f"'M' (MLA), e.g. 'KKKM', got {pattern!r}")
+  _one_of(config, "model.dtype", ("float32", "bfloat16"))
+  _one_of(config, "model.param_dtype", ("float32", "bfloat16"))
+  _float_range(config, "model.norm_eps", 0.0, 1e-2, lo_open=True)
+  _one_of(config, "model.residual", ("block_attn_res", "standard"))
+  _int_range(config, "model.attn_res_layers_per_block", 1,
+             2 * config.model.num_layers)
+
+  # KDA.
+  _int_range(config, "model.kda.num_heads", 1)
+  _divides(config, "model.kda.num_heads", "model.d_model")
+  _one_of(config, "model.kda.decay", ("bounded", "unbounded"))
+  _float_range(config, "model.kda.g_min", None, 0.0, hi_open=True)
+  _int_range(config, "model.kda.decay_rank", 1)
+  _int_range(config, "model.kda.gate_rank", 1)
+  _int_range(config, "model.kda.conv_size", 1, 16)
+  _one_of(config, "model.kda.chunk_size", (16, 32, 64, 128))
+  _one_of(config, "model.kda.backend", ("auto", "xla", "pallas", "interpret"))
+
+  # MLA.
+  _int_range(config, "model.mla.num_heads", 1)
+  _divides(config, "model.mla.num_heads", "model.d_model")
+  _int_range(config, "model.mla.kv_lora_rank", 1)
+  _int_range(config, "model.mla.q_lora_rank", 0)
+  _int_range(config, "model.mla.qk_nope_head_dim", 1)
+  _int_range(config, "model.mla.qk_rope_head_dim", 0)
+  if config.model.mla.qk_rope_head_dim % 2:
+    raise ConfigError(
+        "model.mla.qk_rope_head_dim must be even (rotary pairs) or 0 for NoPE, "
+        f"got {config.model.mla.qk_rope_head_dim}")
+  _int_range(config, "model.mla.v_head_dim", 1)
+  _float_range(config, "model.mla.rope_theta", 1.0)
+  _one_of(config, "model.mla.attention_impl", ("auto", "xla", "cudnn"))
+
+  # MoE and its balancing.
+  _int_range(config, "model.moe.num_experts", 1)
+  n = config.model.moe.num_experts
+  _int_range(config, "model.moe.top_k", 1)
+  if config.model.moe.top_k > n:
+    raise ConfigError(
+        f"model.moe.top_k must be in [1, model.moe.num_experts={n}], got "
+        f"{config.model.moe.top_k}")
+  if config.model.moe.balancing == "qb" and config.model.moe.top_k >= n:
+    raise ConfigError(
+        "model.moe.top_k must be < model.moe.num_experts for Quantile "
+        f"Balancing (it reads the (k+1)-th score); allowed: [1, {n - 1}], got "
+        f"{config.model.moe.top_k}")
+  _int_range(config, "model.moe.d_expert", 1)
+  _int_range(config, "model.moe.num_shared", 0)
+  _int_range(config, "model.moe.d_shared", 1)
+  _float_range(config, "model.moe.route_scale", 0.0, lo_open=True)
+  _int_range(config, "model.moe.first_dense_layers", 0,
+             config.model.num_layers)
+  _int_range(config, "model.moe.d_dense", 1)
+  _one_of(config, "model.moe.dispatch", ("ragged", "loop"))
+  _one_of(config, "model.moe.balancing", ("qb", "sign", "aux", "none"))
+  _float_range(config, "model.moe.qb_ema", 0.0, 1.0, hi_open=True)
+  _float_range(config, "model.moe.sign_rate", 0.0)
+  _float_range(config, "model.moe.aux_loss_coef", 0.0)
+
+  # Data.
+  _one_of(config, "data.source", ("stdlib", "token_file"))
+  if config.data.source == "token_file" and not config.data.path:
+    raise ConfigError(
+        "data.path must name a flat binary file of token ids when "
+        "data.source='token_file', got ''")
+  _one_of(config, "data.token_dtype", ("uint16", "uint32"))
+  _float_range(config, "data.val_fraction", 0.0, 1.0, lo_open=True,
+               hi_open=True)
+  _int_range(config, "data.max_bytes", 0)
+  _int_range(config, "data.seq_len", 2)
+  _int_range(config, "data.batch_size", 1)
+
+  # Optimisation.
+  _int_range(config, "train.steps", 1)
+  _float_range(config, "train.learning_rate", 0.0, 1.0, lo_open=True)
+  _int_range(config, "train.warmup_steps", 0, config.train.steps)
+  _one_of(config, "train.schedule", ("cosine", "wsd", "constant"))
+  _float_range(config, "train.decay_fraction", 0.0, 1.0)
+  _float_range(config, "train.min_lr_ratio", 0.0, 1.0)
+  _float_range(config, "train.weight_decay", 0.0)
+  _float_range(config, "train.b1", 0.0, 1.0, hi_open=True)
+  _float_range(config, "train.b2", 0.0, 1.0, hi_open=True)
+  _float_range(config, "train.eps", 0.0, lo_open=True)
+  _float_range(config, "train.grad_clip", 0.0)
+  for field in ("log_every", "eval_every", "eval_batches", "checkpoint_every",
+                "keep_checkpoints"):
+    _int_range(config, f"train.{field}", 1)

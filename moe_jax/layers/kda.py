@@ -1,0 +1,173 @@
+"""Kimi Delta Attention (KDA) layer with the bounded decay parameterization.
+
+DESIGN §3.3 and §3.1:
+  q, k = l2norm(silu(shortconv(W_q x))), l2norm(silu(shortconv(W_k x)))
+  v    = silu(shortconv(W_v x))
+  beta = sigmoid(W_b x)
+  g    = g_min * sigmoid(a * (W_up W_down x + dt_bias))     (bounded, default)
+       = -a * softplus(W_up W_down x + dt_bias)             (unbounded ablation)
+  out  = W_o(rmsnorm_head(kda(q, k, v, g, beta)) * sigmoid(W_gu W_gd x))
+with a = exp(A_log) per head. The token mixing itself is the public op of
+pallas_kernels.linear_attention, so the Pallas kernels slot in by backend.
+"""
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moe_jax.layers.norms import l2_normalize, rms_normalize
+from pallas_kernels.linear_attention import kda as kda_op
+
+
+def causal_depthwise_conv(x: jax.Array, kernel: jax.Array,
+                          state: jax.Array | None = None):
+  """Depthwise causal conv over time: y_t = sum_j kernel[j] * x_{t-W+1+j}.
+
+  Args:
+    x: [B, T, C] inputs.
+    kernel: [W, C] taps; kernel[-1] multiplies the current token.
+    state: optional [B, W-1, C], the W-1 inputs before x (decoding); zeros
+      when None (start of a sequence).
+  Returns:
+    y [B, T, C] and the new state [B, W-1, C] (the last W-1 inputs).
+  """
+  width = kernel.shape[0]
+  b, _, c = x.shape
+  if state is None:
+    state = jnp.zeros((b, width - 1, c), x.dtype)
+  xp = jnp.concatenate([state.astype(x.dtype), x], axis=1)
+  t = x.shape[1]
+  y = sum(xp[:, j:j + t] * kernel[j].astype(x.dtype) for j in range(width))
+  return y, xp[:, xp.shape[1] - (width - 1):]
+
+
+def _decay_bias_init(g_min: float, decay: str, min_timescale: float = 1.0,
+                     max_timescale: float = 256.0):
+  """dt_bias so that the initial per-channel decay spans many timescales.
+
+  A channel with timescale tau starts at g0 = -1/tau (memory of ~tau tokens);
+  tau is log-uniform in [min_timescale, max_timescale]. With a = 1 this gives
+  sigmoid(dt_bias) = g0 / g_min (bounded) or softplus(dt_bias) = -g0.
+  """
+  def init(key, shape, dtype=jnp.float32):
+    u = jax.random.uniform(key, shape, jnp.float32)
+    tau = jnp.exp(u * (math.log(max_timescale) - math.log(min_timescale)) +
+                  math.log(min_timescale))
+    g0 = -1.0 / tau
+    if decay == "bounded":
+      p = jnp.clip(g0 / g_min, 1e-6, 1 - 1e-6)
+      bias = jnp.log(p) - jnp.log1p(-p)
+    else:
+      bias = jnp.log(jnp.expm1(-g0))
+    return bias.astype(dtype)
+  return init
+
+
+def kda_log_decay(x_g: jax.Array, dt_bias: jax.Array, a_log: jax.Array, *,
+                  decay: str, g_min: float) -> jax.Array:
+  """Per-channel log decay g from the low-rank projection x_g.
+
+  Args:
+    x_g: [B, T, H, K] fp32 projection.
+    dt_bias: [H, K].
+    a_log: [H]; a = exp(a_log) scales the pre-activation per head.
+    decay: "bounded" gives g in (g_min, 0); "unbounded" gives g in (-inf, 0).
+  Returns:
+    g [B, T, H, K] fp32.
+  """
+  a = jnp.exp(a_log.astype(jnp.float32))[:, None]
+  z = x_g.astype(jnp.float32) + dt_bias.astype(jnp.float32)
+  if decay == "bounded":
+    return g_min * jax.nn.sigmoid(a * z)
+  return -a * jax.nn.softplus(z)
+
+
+class KDA(nn.Module):
+  """Kimi Delta Attention token mixer.
+
+  Attributes:
+    d_model: model width D.
+    num_heads: H; head dim K = V = D // H.
+    decay: "bounded" | "unbounded".
+    g_min: lower bound of the log decay per step (bounded), < 0.
+    decay_rank, gate_rank: low-rank widths of the decay and output gate.
+    conv_size: short-conv width.
+    chunk_size: chunk of the chunked algorithm.
+    backend: linear-attention backend ("auto" | "xla" | "pallas" | "interpret").
+  """
+  d_model: int
+  num_heads: int
+  decay: str = "bounded"
+  g_min: float = -5.0
+  decay_rank: int = 16
+  gate_rank: int = 16
+  conv_size: int = 4
+  chunk_size: int = 64
+  backend: str = "auto"
+  norm_eps: float = 1e-6
+  out_init_scale: float = 1.0
+  dtype: jnp.dtype = jnp.float32
+  param_dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """x: [B, T, D] -> [B, T, D]."""
+    b, t, _ = x.shape
+    h = self.num_heads
+    dk = self.d_model // h
+    dense = lambda n, name, **kw: nn.Dense(  # noqa: E731
+        n, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
+        name=name, **kw)
+    x = x.astype(self.dtype)
+
+    def conv_branch(name):
+      proj = dense(h * dk, f"{name}_proj")(x)
+      kernel = self.param(f"{name}_conv", nn.initializers.normal(
+          1.0 / math.sqrt(self.conv_size)), (self.conv_size, h * dk),
+                          self.param_dtype)
+      y, _ = causal_depthwise_conv(proj, kernel)
+      return jax.nn.silu(y).reshape(b, t, h, dk)
+
+    q = l2_normalize(conv_branch("q"), self.norm_eps)
+    k = l2_normalize(conv_branch("k"), self.norm_eps)
+    v = conv_branch("v")
+    beta = jax.nn.sigmoid(dense(h, "beta_proj")(x).astype(jnp.float32))
+
+    x_g = dense(h * dk, "decay_up")(dense(self.decay_rank, "decay_down")(x))
+    dt_bias = self.param("dt_bias", _decay_bias_init(self.g_min, self.decay),
+                         (h, dk), jnp.float32)
+    a_log = self.param("A_log", nn.initializers.zeros, (h,), jnp.float32)
+    g = kda_log_decay(x_g.reshape(b, t, h, dk), dt_bias, a_log,
+                      decay=self.decay, g_min=self.g_min)
+
+    o, _ = kda_op(q, k, v, g, beta, backend=self.backend,
+                  chunk_size=self.chunk_size,
+                  g_min=self.g_min if self.decay == "bounded" else None)
+
+    # Per-head RMSNorm with a scale shared across heads, then the output gate.
+    o_scale = self.param("o_norm_scale", nn.initializers.ones, (dk,),
+                         self.param_dtype)
+    o = rms_normalize(o.astype(jnp.float32), self.norm_eps) * o_scale
+    gate = dense(h * dk, "gate_up")(dense(self.gate_rank, "gate_down")(x))
+    o = o.reshape(b, t, h * dk).astype(self.dtype) * jax.nn.sigmoid(gate)
+    return dense(self.d_model, "o_proj", kernel_init=nn.initializers.variance_scaling(
+        self.out_init_scale, "fan_in", "truncated_normal"))(o)
+
+
+def kda_param_count(d_model: int, num_heads: int, decay_rank: int,
+                    gate_rank: int, conv_size: int) -> int:
+  """Closed-form parameter count of one KDA layer (for planners and tests)."""
+  hk = (d_model // num_heads) * num_heads
+  return int(np.sum([
+      3 * (d_model * hk + conv_size * hk),       # q, k, v projections + convs
+      d_model * num_heads,                        # beta
+      d_model * decay_rank + decay_rank * hk,     # decay low rank
+      hk + num_heads,                             # dt_bias, A_log
+      d_model // num_heads,                       # o_norm_scale
+      d_model * gate_rank + gate_rank * hk,       # output gate
+      hk * d_model,                               # o_proj
+  ]))

@@ -1,0 +1,105 @@
+"""Gated Multi-head Latent Attention (MLA), NoPE by default.
+
+DESIGN §3.4. Keys and values come from a small latent
+  c_kv = rmsnorm(W_dkv x)                          [B, T, kv_lora_rank]
+  k_h = W_uk_h c_kv,  v_h = W_uv_h c_kv            per head
+  q_h = W_q_h x  (or W_uq_h rmsnorm(W_dq x) with q_lora_rank > 0)
+and an optional decoupled rotary part shared by all heads' keys
+(qk_rope_head_dim; 0 = pure NoPE, the default). The output is gated
+elementwise by sigmoid(W_gate x) before W_o. Training uses
+jax.nn.dot_product_attention (cuDNN flash on GPU, XLA on CPU). Decoding caches
+only c_kv (+ the rotary key); that path lives with the decoder.
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from moe_jax.layers.norms import RMSNorm
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+  """Rotary embedding on the last axis (pairs (2i, 2i+1) rotate together).
+
+  x: [B, T, N, R] with R even; positions: [T] or [B, T] integer positions.
+  """
+  r = x.shape[-1]
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, r, 2, dtype=jnp.float32) / r))
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [.., T, R/2]
+  if angles.ndim == 2:
+    angles = angles[None]
+  sin, cos = jnp.sin(angles)[:, :, None], jnp.cos(angles)[:, :, None]
+  x32 = x.astype(jnp.float32)
+  x1, x2 = x32[..., 0::2], x32[..., 1::2]
+  out = jnp.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+  return out.reshape(x.shape).astype(x.dtype)
+
+
+class GatedMLA(nn.Module):
+  """Causal gated MLA over [B, T, D].
+
+  Attributes mirror config.model.mla; d_model is the model width.
+  """
+  d_model: int
+  num_heads: int
+  kv_lora_rank: int
+  qk_nope_head_dim: int
+  v_head_dim: int
+  q_lora_rank: int = 0
+  qk_rope_head_dim: int = 0
+  rope_theta: float = 10000.0
+  attention_impl: str = "auto"
+  norm_eps: float = 1e-6
+  out_init_scale: float = 1.0
+  dtype: jnp.dtype = jnp.float32
+  param_dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """x: [B, T, D] -> [B, T, D]."""
+    b, t, _ = x.shape
+    h, dn, dr, dv = (self.num_heads, self.qk_nope_head_dim,
+                     self.qk_rope_head_dim, self.v_head_dim)
+    dqk = dn + dr
+    dense = lambda n, name, **kw: nn.Dense(  # noqa: E731
+        n, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
+        name=name, **kw)
+    x = x.astype(self.dtype)
+
+    # Queries.
+    if self.q_lora_rank > 0:
+      c_q = RMSNorm(self.norm_eps, name="q_norm")(dense(self.q_lora_rank,
+                                                        "q_down")(x))
+      q = dense(h * dqk, "q_up")(c_q)
+    else:
+      q = dense(h * dqk, "q_proj")(x)
+    q = q.reshape(b, t, h, dqk)
+
+    # Latent keys/values: only c_kv (and the rotary key) would be cached.
+    c_kv = RMSNorm(self.norm_eps, name="kv_norm")(dense(self.kv_lora_rank,
+                                                        "kv_down")(x))
+    k = dense(h * dn, "k_up")(c_kv).reshape(b, t, h, dn)
+    v = dense(h * dv, "v_up")(c_kv).reshape(b, t, h, dv)
+    if dr > 0:
+      positions = jnp.arange(t)
+      k_rope = apply_rope(dense(dr, "k_rope")(x)[:, :, None], positions,
+                          self.rope_theta)
+      q_rope = apply_rope(q[..., dn:], positions, self.rope_theta)
+      q = jnp.concatenate([q[..., :dn], q_rope], axis=-1)
+      k = jnp.concatenate([k, jnp.broadcast_to(k_rope, (b, t, h, dr))], -1)
+
+    # dot_product_attention wants one head dim for q, k and v: zero-pad to
+    # the larger one (zeros add nothing to q.k and are sliced off the output).
+    width = max(dqk, dv)
+    pad = lambda a: jnp.pad(  # noqa: E731
+        a, ((0, 0), (0, 0), (0, 0), (0, width - a.shape[-1])))
+    q, k, vp = pad(q), pad(k), pad(v)
+    impl = None if self.attention_impl == "auto" else self.attention_impl
+    o = jax.nn.dot_product_attention(
+        q, k, vp, is_causal=True, scale=dqk ** -0.5, implementation=impl)
+    o = o[..., :dv].reshape(b, t, h * dv)
+
+    gate = jax.nn.sigmoid(dense(h * dv, "gate_proj")(x))
+    return dense(self.d_model, "o_proj", kernel_init=nn.initializers.variance_scaling(
+        self.out_init_scale, "fan_in", "truncated_normal"))(o * gate)

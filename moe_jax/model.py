@@ -1,0 +1,116 @@
+"""The hybrid KDA/MLA sparse-MoE language model.
+
+A stack of `num_layers` transformer layers. Each layer is two *sublayers*: a
+token mixer (KDA or gated MLA, by `layer_pattern`, default 3 KDA : 1 MLA) and
+a feed-forward (the sparse MoE, or a dense SwiGLU for the first
+`first_dense_layers`). Sublayers are joined either by Block Attention
+Residuals (default) or by standard pre-norm residuals (ablation).
+
+Collections:
+  params        trained weights.
+  router_state  per-MoE-layer router bias (Quantile Balancing); never a param.
+  router_stats  what the balancing update needs, emitted by the forward pass
+                (make it mutable in apply()).
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from moe_jax.layers.attn_res import AttnResMix, BlockAttnResState
+from moe_jax.layers.kda import KDA
+from moe_jax.layers.mla import GatedMLA
+from moe_jax.layers.moe import MoE, SwiGLU
+from moe_jax.layers.norms import RMSNorm
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def layer_kinds(model_cfg) -> list[str]:
+  """'K' or 'M' for each layer: the pattern tiled over num_layers."""
+  p = model_cfg.layer_pattern
+  return [p[i % len(p)] for i in range(model_cfg.num_layers)]
+
+
+class HybridLM(nn.Module):
+  """Causal LM over token ids.
+
+  Attributes:
+    cfg: config.model as a FrozenConfigDict (hashable, immutable).
+  """
+  cfg: ml_collections.FrozenConfigDict
+
+  def _mixer(self, kind: str, i: int) -> nn.Module:
+    c = self.cfg
+    dtype, pdtype = _DTYPES[c.dtype], _DTYPES[c.param_dtype]
+    out_scale = 1.0 / (2 * c.num_layers)
+    if kind == "K":
+      k = c.kda
+      return KDA(d_model=c.d_model, num_heads=k.num_heads, decay=k.decay,
+                 g_min=k.g_min, decay_rank=k.decay_rank, gate_rank=k.gate_rank,
+                 conv_size=k.conv_size, chunk_size=k.chunk_size,
+                 backend=k.backend, norm_eps=c.norm_eps,
+                 out_init_scale=out_scale, dtype=dtype, param_dtype=pdtype,
+                 name=f"layer_{i}_kda")
+    m = c.mla
+    return GatedMLA(d_model=c.d_model, num_heads=m.num_heads,
+                    kv_lora_rank=m.kv_lora_rank,
+                    qk_nope_head_dim=m.qk_nope_head_dim,
+                    v_head_dim=m.v_head_dim, q_lora_rank=m.q_lora_rank,
+                    qk_rope_head_dim=m.qk_rope_head_dim,
+                    rope_theta=m.rope_theta, attention_impl=m.attention_impl,
+                    norm_eps=c.norm_eps, out_init_scale=out_scale, dtype=dtype,
+                    param_dtype=pdtype, name=f"layer_{i}_mla")
+
+  def _ffn(self, i: int) -> nn.Module:
+    c = self.cfg
+    dtype, pdtype = _DTYPES[c.dtype], _DTYPES[c.param_dtype]
+    e = c.moe
+    if i < e.first_dense_layers:
+      return SwiGLU(d_ff=e.d_dense, dtype=dtype, param_dtype=pdtype,
+                    name=f"layer_{i}_dense")
+    return MoE(d_model=c.d_model, num_experts=e.num_experts, top_k=e.top_k,
+               d_expert=e.d_expert, num_shared=e.num_shared,
+               d_shared=e.d_shared, balancing=e.balancing,
+               route_scale=e.route_scale, aux_loss_coef=e.aux_loss_coef,
+               dispatch=e.dispatch, dtype=dtype, param_dtype=pdtype,
+               name=f"layer_{i}_moe")
+
+  @nn.compact
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    """tokens: int [B, T] -> logits fp32 [B, T, vocab_size]."""
+    c = self.cfg
+    dtype = _DTYPES[c.dtype]
+    x = nn.Embed(c.vocab_size, c.d_model, dtype=dtype,
+                 param_dtype=_DTYPES[c.param_dtype],
+                 embedding_init=nn.initializers.normal(1.0),
+                 name="embed")(tokens)
+
+    sublayers = []
+    for i, kind in enumerate(layer_kinds(c)):
+      sublayers.append((f"layer_{i}_mixer_norm", self._mixer(kind, i)))
+      sublayers.append((f"layer_{i}_ffn_norm", self._ffn(i)))
+
+    if c.residual == "standard":
+      for norm_name, f in sublayers:
+        x = x + f(RMSNorm(c.norm_eps, dtype=dtype, name=norm_name)(x))
+      h = x
+    else:
+      state = BlockAttnResState(x, c.attn_res_layers_per_block)
+      for norm_name, f in sublayers:
+        h = AttnResMix(c.norm_eps, name=norm_name + "_attn_res")(
+            state.sources())
+        state.add(f(RMSNorm(c.norm_eps, dtype=dtype, name=norm_name)(h)))
+      h = AttnResMix(c.norm_eps, name="final_attn_res")(state.sources())
+
+    h = RMSNorm(c.norm_eps, dtype=dtype, name="final_norm")(h)
+    logits = nn.Dense(c.vocab_size, use_bias=False, dtype=dtype,
+                      param_dtype=_DTYPES[c.param_dtype], name="head")(h)
+    return logits.astype(jnp.float32)
+
+
+def build_model(config: ml_collections.ConfigDict) -> HybridLM:
+  """The model for a (validated) run config."""
+  return HybridLM(ml_collections.FrozenConfigDict(config.model))

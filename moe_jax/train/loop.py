@@ -1,0 +1,152 @@
+"""The training loop, top to bottom: config -> data -> model -> steps.
+
+train_and_evaluate(config, workdir) validates the config, builds the data
+pipeline, model and optimizer, resumes from the latest checkpoint in workdir
+if there is one, trains, evaluates periodically, checkpoints periodically, on
+SIGTERM and at the end, and returns the last metrics.
+"""
+from __future__ import annotations
+
+import math
+import signal
+import time
+
+import jax
+import ml_collections
+import numpy as np
+import tqdm
+from absl import logging
+
+from moe_jax.config_validation import validate_config
+from moe_jax.data import eval_batches, make_datasets, unigram_bits_per_byte
+from moe_jax.eval.evaluate import evaluate
+from moe_jax.model import build_model
+from moe_jax.train.checkpoint import Checkpointer, abstract_like
+from moe_jax.train.metrics import MetricsWriter
+from moe_jax.train.optimizer import make_optimizer, make_schedule
+from moe_jax.train.step import init_train_state, make_eval_step, make_train_step
+
+
+class NonFiniteError(FloatingPointError):
+  """Loss or gradients became NaN/inf; the last good checkpoint is kept."""
+
+
+class _SigtermFlag:
+  """Turns SIGTERM into a flag the loop checks between steps."""
+
+  def __init__(self):
+    self.raised = False
+    self._old = None
+
+  def __enter__(self):
+    try:
+      self._old = signal.signal(signal.SIGTERM, self._handle)
+    except ValueError:  # Not the main thread (e.g. a notebook worker).
+      self._old = None
+    return self
+
+  def _handle(self, signum, frame):  # pylint: disable=unused-argument
+    self.raised = True
+
+  def __exit__(self, *exc):
+    if self._old is not None:
+      signal.signal(signal.SIGTERM, self._old)
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
+                       stop_at_step: int | None = None) -> dict:
+  """Trains config.train.steps steps (or up to stop_at_step) in workdir.
+
+  Returns the metrics of the last train log and the last evaluation.
+  """
+  validate_config(config)
+  tcfg, mcfg = config.train, config.model
+  is_chief = jax.process_index() == 0
+
+  # Data: deterministic and resumable (state = the step counter).
+  train_iter, val_tokens, train_tokens, vocab = make_datasets(
+      dict(config.data.to_dict(), seed=config.seed),
+      process_index=jax.process_index(), process_count=jax.process_count())
+  if vocab > mcfg.vocab_size:
+    raise ValueError(f"model.vocab_size={mcfg.vocab_size} is smaller than the "
+                     f"data's vocabulary ({vocab}); allowed: >= {vocab}")
+  unigram_bpb = unigram_bits_per_byte(train_tokens, val_tokens, vocab)
+
+  model = build_model(config)
+  schedule = make_schedule(tcfg)
+  tx = make_optimizer(tcfg)
+  state = init_train_state(model, tx, jax.random.PRNGKey(config.seed),
+                           config.data.seq_len)
+  train_step = jax.jit(make_train_step(model, tx, mcfg.moe, schedule),
+                       donate_argnums=(0,))
+  eval_step = jax.jit(make_eval_step(model))
+
+  ckpt = Checkpointer(workdir, keep=tcfg.keep_checkpoints)
+  start = ckpt.latest_step()
+  if start is not None:
+    state, data_state, _ = ckpt.restore(start, abstract_like(state))
+    train_iter.set_state(data_state)
+    logging.info("Resumed from step %d in %s", start, ckpt.directory)
+  start = int(state.step)
+
+  writer = MetricsWriter(workdir, enabled=is_chief)
+  n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
+  if start == 0:
+    writer.write(0, {"num_params": n_params, "unigram_bpb": unigram_bpb},
+                 split="meta")
+  last_step = min(tcfg.steps, stop_at_step or tcfg.steps)
+  tokens_per_step = config.data.batch_size * config.data.seq_len
+  result: dict = {"unigram_bpb": unigram_bpb, "num_params": n_params}
+
+  def run_eval(step):
+    batches = eval_batches(val_tokens, config.data.seq_len,
+                           config.data.batch_size,
+                           max_batches=tcfg.eval_batches)
+    ev = evaluate(eval_step, state.params, state.router_state, batches)
+    loads = ev.pop("_loads")
+    ev["unigram_bpb"] = unigram_bpb
+    ev["val_bpb_over_unigram"] = ev["val_bpb"] / unigram_bpb
+    writer.write(step, ev, split="eval")
+    for layer, load in loads.items():
+      writer.write_histogram(step, f"expert_load/{layer}", load)
+    return ev
+
+  bar = tqdm.tqdm(total=last_step, initial=start, disable=not (
+      is_chief and tcfg.progress_bar), desc="train", dynamic_ncols=True)
+  t_last, steps_since = time.perf_counter(), 0
+  with _SigtermFlag() as sigterm:
+    step = start
+    while step < last_step:
+      batch = next(train_iter)
+      new_state, metrics = train_step(state, batch)
+      loss = float(metrics["loss"])
+      if not (math.isfinite(loss) and math.isfinite(float(
+          metrics["grad_norm"]))):
+        raise NonFiniteError(
+            f"non-finite loss ({loss}) or grad norm at step {step + 1}; the "
+            f"last good checkpoint in {ckpt.directory} was kept")
+      state, step = new_state, step + 1
+      steps_since += 1
+      bar.update(1)
+      if step % tcfg.log_every == 0 or step == last_step:
+        now = time.perf_counter()
+        metrics = jax.device_get(metrics)
+        metrics["tokens_per_sec"] = steps_since * tokens_per_step / (
+            now - t_last)
+        t_last, steps_since = now, 0
+        writer.write(step, metrics)
+        bar.set_postfix(loss=f"{loss:.3f}")
+        result.update({k: float(v) for k, v in metrics.items()})
+      if step % tcfg.eval_every == 0 or step == last_step:
+        result.update(run_eval(step))
+      if (step % tcfg.checkpoint_every == 0 or step == last_step
+          or sigterm.raised):
+        ckpt.save(step, state, train_iter.get_state(), config.to_dict())
+      if sigterm.raised:
+        logging.warning("SIGTERM: saved step %d and stopped", step)
+        break
+  bar.close()
+  ckpt.close()
+  writer.close()
+  result["step"] = int(state.step)
+  return result

@@ -1,0 +1,14 @@
+"""Chunked linear attention (GLA, KDA) with per-channel log decay. DESIGN 3.2."""
+from pallas_kernels.linear_attention.ops import (
+    BACKENDS, CHUNK_SIZES, available_backends, gla, gla_step, kda, kda_step,
+    register_backend)
+from pallas_kernels.linear_attention.reference import (
+    chunk_gla_ref, chunk_kda_ref, naive_recurrent_gla, naive_recurrent_kda,
+    recurrent_step_gla, recurrent_step_kda)
+
+__all__ = [
+    "gla", "kda", "gla_step", "kda_step", "register_backend",
+    "available_backends", "BACKENDS", "CHUNK_SIZES", "chunk_gla_ref",
+    "chunk_kda_ref", "naive_recurrent_gla", "naive_recurrent_kda",
+    "recurrent_step_gla", "recurrent_step_kda",
+]

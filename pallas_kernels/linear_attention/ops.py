@@ -1,0 +1,175 @@
+"""Public linear-attention ops: GLA and KDA with per-channel log decay.
+
+    o, final_state = gla(q, k, v, g, ...)
+    o, final_state = kda(q, k, v, g, beta, ...)
+    o, new_state   = gla_step(q, k, v, g, state) / kda_step(q, k, v, g, beta, state)
+
+Shapes (DESIGN 3.2): q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H];
+states [B, H, K, V] fp32. o comes back in v.dtype, states in fp32.
+
+Backends. "xla" runs the pure-JAX chunked oracle (reference.chunk_*_ref),
+which is safe for any g <= 0. "pallas" (GPU) and "interpret" (the same Pallas
+kernels interpreted on CPU) are filled in by a kernel module calling
+register_backend(...) at import; until then they raise NotImplementedError.
+"auto" picks "pallas" on a GPU when a Pallas kernel is registered for the op,
+else "xla".
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Callable, Dict, Optional
+
+import jax
+
+from pallas_kernels.linear_attention.reference import (
+    chunk_gla_ref, chunk_kda_ref, recurrent_step_gla, recurrent_step_kda)
+
+BACKENDS = ("auto", "xla", "pallas", "interpret")
+CHUNK_SIZES = (16, 32, 64, 128)
+OPS = ("gla", "kda")
+
+# backend -> op name -> implementation. An implementation has the signature
+#   impl(q, k, v, g, [beta,] *, scale, initial_state, chunk_size, g_min)
+#     -> (o [B, T, H, V] in v.dtype, final_state [B, H, K, V] fp32)
+# and receives already validated inputs. g_min is None (no bound promised) or
+# a float < 0 that the caller guarantees g >= g_min (the bounded-decay
+# contract a kernel may exploit for dense diagonal tiles, DESIGN 3.1).
+_IMPLS: Dict[str, Dict[str, Callable]] = {}
+
+
+def register_backend(backend: str, *, gla: Optional[Callable] = None,
+                     kda: Optional[Callable] = None) -> None:
+  """Registers implementations of the ops for a backend (kernel modules call this)."""
+  if backend not in BACKENDS or backend == "auto":
+    raise ValueError(f"backend must be one of {BACKENDS[1:]}, got {backend!r}")
+  table = _IMPLS.setdefault(backend, {})
+  for name, fn in (("gla", gla), ("kda", kda)):
+    if fn is not None:
+      table[name] = fn
+
+
+def available_backends(op: str) -> tuple:
+  """Backends with an implementation registered for op ("gla" | "kda")."""
+  return tuple(b for b in BACKENDS[1:] if op in _IMPLS.get(b, {}))
+
+
+def _xla_gla(q, k, v, g, *, scale, initial_state, chunk_size, g_min):
+  del g_min  # the oracle is safe for any g <= 0; the bound buys it nothing
+  return chunk_gla_ref(q, k, v, g, scale=scale, initial_state=initial_state,
+                       chunk_size=chunk_size)
+
+
+def _xla_kda(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min):
+  del g_min
+  return chunk_kda_ref(q, k, v, g, beta, scale=scale,
+                       initial_state=initial_state, chunk_size=chunk_size)
+
+
+register_backend("xla", gla=_xla_gla, kda=_xla_kda)
+
+
+def _resolve(op: str, backend: str) -> Callable:
+  if not isinstance(backend, str) or backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+  if backend == "auto":
+    on_gpu = jax.default_backend() == "gpu"
+    backend = "pallas" if on_gpu and op in _IMPLS.get("pallas", {}) else "xla"
+  impl = _IMPLS.get(backend, {}).get(op)
+  if impl is None:
+    raise NotImplementedError(
+        f"{op}: backend={backend!r} has no implementation yet; the Pallas "
+        "kernels land with the kernel issue; use backend='xla'")
+  return impl
+
+
+def _shape(x):
+  return tuple(getattr(x, "shape", ()))
+
+
+def _validate(q, k, v, g, beta, initial_state, chunk_size, g_min):
+  """Static checks only (shapes and python options); g values are traced."""
+  if len(_shape(q)) != 4:
+    raise ValueError(f"q must have rank 4 [B, T, H, K], got shape {_shape(q)}")
+  bsz, t, h, dk = _shape(q)
+  for name, x in (("k", k), ("g", g)):
+    if _shape(x) != _shape(q):
+      raise ValueError(f"{name} must have the same shape as q [B, T, H, K]="
+                       f"{_shape(q)}, got {_shape(x)}")
+  if len(_shape(v)) != 4 or _shape(v)[:3] != (bsz, t, h):
+    raise ValueError(f"v must have shape [B, T, H, V] with [B, T, H]="
+                     f"{(bsz, t, h)} as in q, got {_shape(v)}")
+  dv = _shape(v)[3]
+  if beta is not None and _shape(beta) != (bsz, t, h):
+    raise ValueError(f"beta must have shape [B, T, H]={(bsz, t, h)}, got "
+                     f"{_shape(beta)}")
+  if initial_state is not None and _shape(initial_state) != (bsz, h, dk, dv):
+    raise ValueError(f"initial_state must have shape [B, H, K, V]="
+                     f"{(bsz, h, dk, dv)}, got {_shape(initial_state)}")
+  if (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
+      or chunk_size not in CHUNK_SIZES):
+    raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got "
+                     f"{chunk_size!r}")
+  if g_min is not None:
+    if (isinstance(g_min, bool) or not isinstance(g_min, numbers.Real)
+        or not math.isfinite(g_min) or not g_min < 0):
+      raise ValueError("g_min must be None or a python float < 0 (the "
+                       f"bounded-decay lower bound of g), got {g_min!r}")
+    g_min = float(g_min)
+  return g_min
+
+
+def gla(q, k, v, g, *, scale=None, initial_state=None, backend="auto",
+        chunk_size=64, g_min=None):
+  """Gated linear attention, S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T, o_t = scale S_t^T q_t.
+
+  Args:
+    q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K] log decay <= 0 (fp32).
+    scale: query scale, default K**-0.5.
+    initial_state: [B, H, K, V] or None (zeros).
+    backend: "auto" | "xla" | "pallas" | "interpret".
+    chunk_size: 16, 32, 64 or 128.
+    g_min: None, or a python float < 0 promising g >= g_min (bounded decay).
+  Returns:
+    o [B, T, H, V] in v.dtype, final state [B, H, K, V] fp32.
+  """
+  g_min = _validate(q, k, v, g, None, initial_state, chunk_size, g_min)
+  impl = _resolve("gla", backend)
+  return impl(q, k, v, g, scale=scale, initial_state=initial_state,
+              chunk_size=chunk_size, g_min=g_min)
+
+
+def kda(q, k, v, g, beta, *, scale=None, initial_state=None, backend="auto",
+        chunk_size=64, g_min=None):
+  """Kimi delta attention (gated delta rule with per-channel decay).
+
+  S_t = (I - beta_t k_t k_t^T) diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T,
+  o_t = scale S_t^T q_t. k is expected l2-normalised and beta in (0, 1) for a
+  contractive update (not checked).
+
+  Args:
+    q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K] log decay <= 0 (fp32);
+    beta: [B, T, H].
+    scale: query scale, default K**-0.5.
+    initial_state: [B, H, K, V] or None (zeros).
+    backend: "auto" | "xla" | "pallas" | "interpret".
+    chunk_size: 16, 32, 64 or 128.
+    g_min: None, or a python float < 0 promising g >= g_min (bounded decay).
+  Returns:
+    o [B, T, H, V] in v.dtype, final state [B, H, K, V] fp32.
+  """
+  if len(_shape(beta)) != 3:
+    raise ValueError(f"beta must have rank 3 [B, T, H], got shape "
+                     f"{_shape(beta)}")
+  g_min = _validate(q, k, v, g, beta, initial_state, chunk_size, g_min)
+  impl = _resolve("kda", backend)
+  return impl(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+              chunk_size=chunk_size, g_min=g_min)
+
+
+# One-token steps for decoding: (q, k, v, g, [beta,] state) -> (o, new_state).
+gla_step = recurrent_step_gla
+kda_step = recurrent_step_kda
+
+__all__ = ["gla", "kda", "gla_step", "kda_step", "register_backend",
+           "available_backends", "BACKENDS", "CHUNK_SIZES"]

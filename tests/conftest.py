@@ -1,0 +1,46 @@
+"""Shared pytest setup.
+
+Sharding tests run on 8 fake CPU devices; the flag must be set before JAX
+initialises its backends, so it lives here, at import time of the test session.
+"""
+import os
+
+_FLAG = "--xla_force_host_platform_device_count=8"
+if _FLAG not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402  (after the flag on purpose)
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+import importlib.util  # noqa: E402
+import pathlib  # noqa: E402
+
+import pytest  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# Compile once per machine: many tests build the same tiny model.
+jax.config.update("jax_compilation_cache_dir",
+                  os.environ.get("MOE_JAX_TEST_CACHE", "/tmp/moe_jax_jit_cache"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def load_config(name: str, arg: str | None = None):
+  """get_config(arg) of configs/<name>, loaded by path like config_flags."""
+  path = ROOT / "configs" / name
+  spec = importlib.util.spec_from_file_location(path.stem, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg)
+
+
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory):
+  """A tiny model trained 6 steps (checkpoints at 3 and 6): (config, workdir, result)."""
+  from moe_jax.train.loop import train_and_evaluate
+  config = load_config("default.py", "tiny,smoke")
+  workdir = str(tmp_path_factory.mktemp("smoke_run"))
+  result = train_and_evaluate(config, workdir)
+  return config, workdir, result

@@ -1,0 +1,58 @@
+"""Config files load, variants apply, and bad values fail before compiling."""
+import pytest
+
+from conftest import load_config
+from moe_jax.config_validation import ConfigError, validate_config
+
+
+@pytest.mark.parametrize("name", ["default.py", "gpu_small.py"])
+def test_configs_validate(name):
+  validate_config(load_config(name))
+
+
+@pytest.mark.parametrize("variant", [
+    "standard_residual", "full_attn_res", "unbounded_decay", "all_kda",
+    "all_mla", "qb", "sign", "aux", "no_balancing", "smoke", "sign,smoke"])
+def test_default_variants_validate(variant):
+  validate_config(load_config("default.py", variant))
+
+
+def test_unknown_variant_names_allowed_ones():
+  with pytest.raises(ValueError, match=r"variant 'nope'.*allowed variants.*"
+                     r"standard_residual"):
+    load_config("default.py", "nope")
+
+
+@pytest.mark.parametrize("field,value,pattern", [
+    ("model.kda.g_min", 0.0, r"model\.kda\.g_min must be in \(-inf, 0"),
+    ("model.kda.g_min", 1.5, r"model\.kda\.g_min"),
+    ("model.moe.top_k", 17, r"model\.moe\.top_k must be in \[1, "
+     r"model\.moe\.num_experts=16\]"),
+    ("model.kda.num_heads", 5, r"model\.kda\.num_heads=5 must divide "
+     r"model\.d_model=64.*allowed values.*\[1, 2, 4, 8, 16, 32, 64\]"),
+    ("model.mla.num_heads", 3, r"model\.mla\.num_heads=3 must divide"),
+    ("model.residual", "dense", r"model\.residual must be one of "
+     r"\['block_attn_res', 'standard'\]"),
+    ("model.moe.balancing", "magic", r"model\.moe\.balancing must be one of"),
+    ("model.layer_pattern", "KXM", r"model\.layer_pattern"),
+    ("model.kda.chunk_size", 48, r"model\.kda\.chunk_size must be one of"),
+    ("data.source", "web", r"data\.source must be one of \['stdlib', "
+     r"'token_file'\]"),
+    ("train.warmup_steps", 10_000, r"train\.warmup_steps must be in"),
+])
+def test_bad_values_name_field_and_allowed(field, value, pattern):
+  config = load_config("default.py")
+  node = config
+  *parents, leaf = field.split(".")
+  for p in parents:
+    node = node[p]
+  node[leaf] = value
+  with pytest.raises(ConfigError, match=pattern):
+    validate_config(config)
+
+
+def test_qb_needs_top_k_below_num_experts():
+  config = load_config("default.py")
+  config.model.moe.top_k = config.model.moe.num_experts
+  with pytest.raises(ConfigError, match=r"model\.moe\.top_k must be < "):
+    validate_config(config)

@@ -1,0 +1,102 @@
+"""The whole model: causality, collections, and the train step's contract."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import load_config
+from moe_jax.model import build_model
+from moe_jax.train.optimizer import make_optimizer
+from moe_jax.train.step import init_train_state, make_train_step
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  config = load_config("default.py", "tiny,smoke")
+  model = build_model(config)
+  tx = make_optimizer(config.train)
+  state = init_train_state(model, tx, jax.random.PRNGKey(0), 32)
+  return config, model, tx, state
+
+
+@pytest.mark.parametrize("variant", ["", "standard_residual"])
+def test_perturbing_token_t_never_changes_outputs_before_t(variant):
+  config = load_config("default.py", f"tiny,smoke,{variant}".rstrip(","))
+  model = build_model(config)
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 40), 0, 256)
+  variables = jax.jit(model.init)(jax.random.PRNGKey(2), tokens)
+  apply = jax.jit(lambda t: model.apply(
+      {"params": variables["params"],
+       "router_state": variables["router_state"]}, t))
+  base = np.asarray(apply(tokens))
+  assert np.all(np.isfinite(base))
+  for t in (0, 17, 31, 39):  # chunk starts, middles and the last token
+    perturbed = tokens.at[:, t].set((tokens[:, t] + 97) % 256)
+    out = np.asarray(apply(perturbed))
+    np.testing.assert_allclose(out[:, :t], base[:, :t], rtol=0, atol=1e-6)
+    assert not np.allclose(out[:, t], base[:, t])  # the test can fail
+
+
+def test_router_state_is_not_a_param_and_gets_no_gradient(tiny):
+  _, model, _, state = tiny
+  flat_params = jax.tree_util.tree_leaves_with_path(state.params)
+  assert not any("bias" == getattr(p[-1], "key", None) and "router" in str(p)
+                 for p, _ in flat_params)
+  biases = jax.tree.leaves(state.router_state)
+  assert len(biases) == 2 and all(b.shape == (8,) for b in biases)
+
+  tokens = jnp.ones((2, 32), jnp.int32)
+
+  def loss(params, router_state):
+    logits, _ = model.apply({"params": params, "router_state": router_state},
+                            tokens, mutable=["router_stats"])
+    return logits.mean()
+
+  # The router bias only enters through top-k selection (stop_gradient).
+  g_state = jax.grad(loss, argnums=1)(state.params, state.router_state)
+  assert all(not np.any(g) for g in jax.tree.leaves(g_state))
+
+
+def test_train_step_updates_router_state_after_optimizer(tiny):
+  config, model, tx, state = tiny
+  step = jax.jit(make_train_step(model, tx, config.model.moe))
+  rng = np.random.default_rng(0)
+  batch = {"inputs": jnp.asarray(rng.integers(0, 256, (4, 32)), jnp.int32),
+           "targets": jnp.asarray(rng.integers(0, 256, (4, 32)), jnp.int32)}
+  new_state, metrics = step(state, batch)
+  old_b, new_b = jax.tree.leaves(state.router_state), jax.tree.leaves(
+      new_state.router_state)
+  assert any(not np.allclose(o, n) for o, n in zip(old_b, new_b))
+  for b in new_b:  # QB re-centres the bias
+    assert abs(float(jnp.mean(b))) < 1e-5
+  assert int(new_state.step) == 1
+  assert set(metrics) >= {"loss", "bpb", "grad_norm", "maxvio/layer_0",
+                          "maxvio/layer_1"}
+  assert np.isfinite(float(metrics["loss"]))
+  # The optimizer state never holds the router bias.
+  n_opt = sum(x.size for x in jax.tree.leaves(new_state.opt_state))
+  n_par = sum(x.size for x in jax.tree.leaves(new_state.params))
+  assert n_opt < 3 * n_par + 10
+
+
+def test_none_balancing_leaves_router_state_alone(tiny):
+  config, model, tx, state = tiny
+  moe_cfg = config.model.moe.copy_and_resolve_references()
+  moe_cfg.balancing = "none"
+  step = jax.jit(make_train_step(model, tx, moe_cfg))
+  batch = {"inputs": jnp.ones((4, 32), jnp.int32),
+           "targets": jnp.ones((4, 32), jnp.int32)}
+  new_state, _ = step(state, batch)
+  for o, n in zip(jax.tree.leaves(state.router_state),
+                  jax.tree.leaves(new_state.router_state)):
+    np.testing.assert_array_equal(o, n)
+
+
+def test_weight_decay_mask_skips_gate_biases(tiny):
+  from moe_jax.train.optimizer import decay_mask
+  _, _, _, state = tiny
+  mask = decay_mask(state.params)
+  kda = [k for k in mask if k.endswith("_kda")][0]
+  assert mask[kda]["dt_bias"] is False and mask[kda]["A_log"] is False
+  assert mask[kda]["q_proj"]["kernel"] is True
+  assert mask["final_norm"]["scale"] is False

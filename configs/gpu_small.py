@@ -1,6 +1,7 @@
 """gpu_small: about 100M total parameters for one GPU (bf16 compute).
 
-Hybrid 3 KDA : 1 MLA, 8 layers of d_model 512, 64 routed experts (top-4) plus
+Hybrid 3 KDA : 1 MLA, 8 layers of d_model 512, 64 routed experts of width 96
+(top-4; about 98M total, 27M active parameters) plus
 one shared expert, Block Attention Residuals, Quantile Balancing.
 
 Launch on a GPU machine (from the repo root):
@@ -41,7 +42,7 @@ def get_config(arg: str | None = None):
   m.mla.v_head_dim = 64
   m.moe.num_experts = 64
   m.moe.top_k = 4
-  m.moe.d_expert = 256
+  m.moe.d_expert = 96
   m.moe.num_shared = 1
   m.moe.d_shared = 1024
   c.data.seq_len = 1024

@@ -6,6 +6,8 @@ r"""Trains a model from an ml_collections config file.
 
 Re-running with the same --workdir resumes from its latest checkpoint.
 """
+import logging as logging_std
+
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -23,9 +25,18 @@ _STOP_AT = flags.DEFINE_integer(
     "the schedule of train.steps; rerun to continue.")
 
 
+class _DropOrbaxInfo(logging_std.Filter):
+  """Orbax logs every save step at INFO; keep its warnings and errors only."""
+
+  def filter(self, record):
+    return record.levelno >= logging_std.WARNING or (
+        "/orbax/" not in record.pathname)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  logging.get_absl_handler().addFilter(_DropOrbaxInfo())
   config = _CONFIG.value
   validate_config(config)  # Before anything touches an accelerator.
   logging.info("Config:\n%s", config)

@@ -241,12 +241,18 @@ def test_pallas_backends_not_yet_implemented(backend):
 
 
 @pytest.mark.parametrize("c", [16, 64])
-def test_unit_lower_triangular_inverse_matches_numpy(c):
+@pytest.mark.parametrize("kind", ["random", "near_all_ones"])
+def test_unit_lower_triangular_inverse_matches_numpy(c, kind):
   from pallas_kernels.linear_attention.reference import (
       unit_lower_triangular_inverse)
   rng = np.random.default_rng(c)
-  # Entries like KDA's L: |L_ij| <= beta * |k_i||k_j| * decay < 1.
-  n = np.tril(rng.uniform(-0.3, 0.3, (3, c, c)), -1).astype(np.float32)
-  got = np.asarray(unit_lower_triangular_inverse(jnp.asarray(n)))
+  if kind == "random":  # Entries like KDA's L: |L_ij| <= beta |k_i||k_j| < 1.
+    n = np.tril(rng.uniform(-0.3, 0.3, (3, c, c)), -1)
+  else:  # Similar keys, beta ~ 1, no decay: the case that broke N-power tricks.
+    n = np.tril(rng.uniform(0.97, 1.0, (3, c, c)), -1)
+  n = n.astype(np.float32)
+  got = np.asarray(jax.jit(unit_lower_triangular_inverse)(jnp.asarray(n)))
   want = np.linalg.inv(np.eye(c) + n.astype(np.float64))
-  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+  assert np.all(np.isfinite(got))
+  scale = np.abs(want).max()
+  np.testing.assert_allclose(got / scale, want / scale, rtol=0, atol=1e-5)

@@ -214,6 +214,21 @@ def update_router_state(router_state: Mapping, router_stats: Mapping, *,
   return freeze(new) if frozen else new
 
 
+def collect_loads(router_stats: Mapping) -> dict[str, jax.Array]:
+  """{'/'-joined path of the module holding `load`: load [..., E]}."""
+  out = {}
+
+  def walk(node, path):
+    for key, val in node.items():
+      if _is_mapping(val):
+        walk(val, path + (str(key),))
+      elif key == "load":
+        out["/".join(path)] = val
+
+  walk(router_stats, ())
+  return out
+
+
 def collect_max_violation(router_stats: Mapping) -> dict[str, jax.Array]:
   """Per-layer MaxVio from a `router_stats` tree.
 
@@ -224,17 +239,7 @@ def collect_max_violation(router_stats: Mapping) -> dict[str, jax.Array]:
     {'/'-joined path of the module holding `load`: MaxVio [...] (scalar unless
     the load has leading axes, e.g. a scanned layer axis)}.
   """
-  out = {}
-
-  def walk(node, path):
-    for key, val in node.items():
-      if _is_mapping(val):
-        walk(val, path + (str(key),))
-      elif key == "load":
-        out["/".join(path)] = max_violation(val)
-
-  walk(router_stats, ())
-  return out
+  return {k: max_violation(v) for k, v in collect_loads(router_stats).items()}
 
 
 # ----------------------------------------------------------------------------

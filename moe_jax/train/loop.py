@@ -113,13 +113,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
 
   bar = tqdm.tqdm(total=last_step, initial=start, disable=not (
       is_chief and tcfg.progress_bar), desc="train", dynamic_ncols=True)
-  t_last, steps_since = time.perf_counter(), 0
+  # Seconds spent in train steps since the last log (eval and saves excluded).
+  step_time, steps_since = 0.0, 0
   with _SigtermFlag() as sigterm:
     step = start
     while step < last_step:
       batch = next(train_iter)
+      t0 = time.perf_counter()
       new_state, metrics = train_step(state, batch)
-      loss = float(metrics["loss"])
+      loss = float(metrics["loss"])  # Also waits for the step to finish.
+      step_time += time.perf_counter() - t0
       if not (math.isfinite(loss) and math.isfinite(float(
           metrics["grad_norm"]))):
         raise NonFiniteError(
@@ -129,11 +132,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
       steps_since += 1
       bar.update(1)
       if step % tcfg.log_every == 0 or step == last_step:
-        now = time.perf_counter()
         metrics = jax.device_get(metrics)
-        metrics["tokens_per_sec"] = steps_since * tokens_per_step / (
-            now - t_last)
-        t_last, steps_since = now, 0
+        metrics["tokens_per_sec"] = steps_since * tokens_per_step / step_time
+        step_time, steps_since = 0.0, 0
         writer.write(step, metrics)
         bar.set_postfix(loss=f"{loss:.3f}")
         result.update({k: float(v) for k, v in metrics.items()})

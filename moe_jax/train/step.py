@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from moe_jax.layers.router import update_router_state
+from moe_jax.layers.router import (collect_loads, max_violation,
+                                   update_router_state)
 
 PyTree = Any
 LN2 = math.log(2.0)
@@ -54,21 +55,6 @@ def sum_aux_losses(router_stats: PyTree) -> jax.Array:
     if getattr(path[-1], "key", None) == "aux_loss":
       total = total + leaf
   return total
-
-
-def router_loads(router_stats: PyTree) -> dict[str, jax.Array]:
-  """{'/'-joined module path: load [E]} for every MoE layer."""
-  out = {}
-  for path, leaf in jax.tree_util.tree_leaves_with_path(router_stats):
-    keys = [getattr(p, "key", str(p)) for p in path]
-    if keys[-1] == "load":
-      out["/".join(keys[:-1])] = leaf
-  return out
-
-
-def max_violation(load: jax.Array) -> jax.Array:
-  """MaxVio = max_j load_j / mean_j load_j - 1 (0 is perfectly balanced)."""
-  return jnp.max(load) / jnp.maximum(jnp.mean(load), 1e-9) - 1.0
 
 
 def layer_label(path: str) -> str:
@@ -111,7 +97,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation,
                "param_norm": global_norm(params)}
     if schedule is not None:
       metrics["lr"] = schedule(state.step)
-    for path, load in router_loads(stats).items():
+    for path, load in collect_loads(stats).items():
       metrics[f"maxvio/{layer_label(path)}"] = max_violation(load)
     new_state = state.replace(step=state.step + 1, params=params,
                               opt_state=opt_state, router_state=router_state)
@@ -129,6 +115,6 @@ def make_eval_step(model: nn.Module):
         mutable=["router_stats"])
     ce = optax.softmax_cross_entropy_with_integer_labels(
         logits, batch["targets"])
-    return ce.sum(), ce.size, router_loads(mutated.get("router_stats", {}))
+    return ce.sum(), ce.size, collect_loads(mutated.get("router_stats", {}))
 
   return eval_step

@@ -273,23 +273,26 @@ def chunk_gla_ref(q, k, v, g, *, scale=None, initial_state=None,
 
 
 def unit_lower_triangular_inverse(n: jax.Array) -> jax.Array:
-  """(I + N)^-1 for strictly lower-triangular N [..., C, C], by dense dots.
+  """(I + N)^-1 for strictly lower-triangular N [..., C, C], fp32.
 
-  N^C = 0, so (I + N)(I - N)(I + N^2)(I + N^4)...(I + N^(2^(m-1))) =
-  I - N^(2^m) = I once 2^m >= C: log2(C) squarings and products, all matrix
-  products (the form the kernels use on tensor cores). It also avoids
-  jaxlib's CPU LAPACK triangular solve, whose batched FFI kernel can deadlock
-  its thread pool when two solves run concurrently (seen with jaxlib 0.10.2 on
-  2 cores: the train step hung in TriMatrixEquationSolverKernel).
+  Forward substitution, one row at a time: M_i = e_i - sum_{j<i} N_ij M_j.
+  Two shortcuts were tried and rejected, and tests pin why:
+  - the dense-dot product (I - N)(I + N^2)(I + N^4)... is exact in exact
+    arithmetic but its powers N^(2^p) reach ~C^(2^p)/(2^p)! when N is near
+    the all-ones lower matrix (similar keys, beta ~ 1, slow decay): in fp32
+    at C = 64 they overflow and training produced NaN (gpu_small, step 54);
+  - jax.scipy.linalg.solve_triangular: jaxlib 0.10.2's batched CPU LAPACK
+    kernel can deadlock its thread pool when two solves run at once.
   """
   c = n.shape[-1]
   eye = jnp.eye(c, dtype=n.dtype)
-  inv = eye - n
-  power = n
-  for _ in range(max(int(np.ceil(np.log2(c))) - 1, 0)):
-    power = jnp.matmul(power, power, precision=_PREC)
-    inv = jnp.matmul(inv, eye + power, precision=_PREC)
-  return inv
+
+  def row(i, m):
+    n_i = jax.lax.dynamic_index_in_dim(n, i, axis=-2, keepdims=False)
+    m_i = eye[i] - jnp.einsum("...j,...jk->...k", n_i, m, precision=_PREC)
+    return jax.lax.dynamic_update_index_in_dim(m, m_i, i, axis=-2)
+
+  return jax.lax.fori_loop(1, c, row, jnp.broadcast_to(eye, n.shape))
 
 
 def chunk_kda_ref(q, k, v, g, beta, *, scale=None, initial_state=None,
@@ -302,8 +305,8 @@ def chunk_kda_ref(q, k, v, g, beta, *, scale=None, initial_state=None,
     V' = U - W S                                      (the delta-rule "new values")
     O = scale * ((q exp(b)) S + Aqk V')
     S <- diag(exp(b_C)) S + (k exp(b_C - b))^T V'
-  (I + L) is unit lower triangular; its inverse is the dense-dot product of
-  `unit_lower_triangular_inverse` (no LAPACK triangular solve: see there).
+  (I + L) is unit lower triangular; `unit_lower_triangular_inverse` inverts
+  it by forward substitution (see there for why not a LAPACK solve).
 
   Args:
     q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; any T.

@@ -61,6 +61,9 @@ def base_config() -> ml_collections.ConfigDict:
   moe.dispatch = "ragged"       # ragged (sort + ragged_dot) | loop (reference)
   moe.balancing = "qb"          # qb | sign | aux | none
   moe.qb_ema = 0.0              # b <- ema*b + (1-ema)*b_new
+  moe.qb_estimator = "exact"    # exact (top-k over tokens) | histogram (binned, shard-exact)
+  moe.qb_bins = 256             # histogram bins, [8, 65536]
+  moe.qb_range = 4.0            # histogram window: r in [b_j - qb_range, b_j + qb_range]
   moe.sign_rate = 1e-3          # sign-rule step u
   moe.aux_loss_coef = 1e-2      # Switch-style aux loss coefficient (balancing=aux)
 

@@ -132,6 +132,9 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   _one_of(config, "model.moe.dispatch", ("ragged", "loop"))
   _one_of(config, "model.moe.balancing", ("qb", "sign", "aux", "none"))
   _float_range(config, "model.moe.qb_ema", 0.0, 1.0, hi_open=True)
+  _one_of(config, "model.moe.qb_estimator", ("exact", "histogram"))
+  _int_range(config, "model.moe.qb_bins", 8, 65536)
+  _float_range(config, "model.moe.qb_range", 0.0, lo_open=True)
   _float_range(config, "model.moe.sign_rate", 0.0)
   _float_range(config, "model.moe.aux_loss_coef", 0.0)
 

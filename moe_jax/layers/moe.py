@@ -70,6 +70,8 @@ class MoE(nn.Module):
     balancing: router balancing, "qb" | "sign" | "aux" | "none".
     route_scale: scale of the routed combine weights.
     aux_loss_coef: Switch aux loss coefficient (balancing == "aux").
+    qb_estimator, qb_bins, qb_range: Quantile-Balancing estimator settings,
+      passed to the Router (see router.py).
     dispatch: "ragged" (sort + ragged_dot) | "loop" (reference).
     dtype: compute dtype (the router always computes in fp32).
     param_dtype: dtype of the expert / shared params.
@@ -84,6 +86,9 @@ class MoE(nn.Module):
   balancing: str = "qb"
   route_scale: float = 1.0
   aux_loss_coef: float = 0.0
+  qb_estimator: str = "exact"
+  qb_bins: int = 256
+  qb_range: float = 4.0
   dispatch: str = "ragged"
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
@@ -105,7 +110,8 @@ class MoE(nn.Module):
     idx, w = Router(
         num_experts=e, top_k=self.top_k, balancing=self.balancing,
         route_scale=self.route_scale, aux_loss_coef=self.aux_loss_coef,
-        name="router")(xf)                                       # [N, k] x2
+        qb_estimator=self.qb_estimator, qb_bins=self.qb_bins,
+        qb_range=self.qb_range, name="router")(xf)                                       # [N, k] x2
 
     init = _expert_init(self.kernel_init)
     w_gate = self.param("w_gate", init, (e, d, f), self.param_dtype)

@@ -9,8 +9,14 @@ DESIGN 3.5 / 3.6. The router owns two non-param collections:
 * `router_stats`: per-batch statistics, written only when the collection is
   mutable (so plain `apply` for eval works without it):
     - `load` [E] fp32: number of (token, slot) assignments per expert.
-    - `qb_target` [E] fp32 (balancing == "qb"): exact Quantile-Balancing target
-      bias computed from this batch.
+    - `qb_target` [E] fp32 (balancing == "qb", qb_estimator == "exact"):
+      exact Quantile-Balancing target bias computed from this batch.
+    - `qb_hist` [E, bins] fp32 + `qb_tokens` [] fp32 (balancing == "qb",
+      qb_estimator == "histogram"): per-expert counts of r - b over a window
+      centred on the current bias, and the token count m. Counts are global
+      under jit with sharded tokens and add up exactly over microbatches
+      (`accumulate_router_stats`); `update_router_state` turns them into the
+      target with `qb_target_from_histogram`.
     - `aux_loss` [] fp32 (balancing == "aux"): aux_loss_coef * Switch loss, with
       gradient; the train step adds every `aux_loss` leaf to the loss.
 
@@ -26,12 +32,22 @@ import jax.numpy as jnp
 from flax.core import FrozenDict, freeze, unfreeze
 
 BALANCING_METHODS = ("qb", "sign", "aux", "none")
+QB_ESTIMATORS = ("exact", "histogram")
 
 STATE_COLLECTION = "router_state"
 STATS_COLLECTION = "router_stats"
 
 
-def _validate(num_experts: int, top_k: int, balancing: str) -> None:
+def _validate(num_experts: int, top_k: int, balancing: str,
+              qb_estimator: str = "exact", qb_bins: int = 256,
+              qb_range: float = 4.0) -> None:
+  if qb_estimator not in QB_ESTIMATORS:
+    raise ValueError(
+        f"qb_estimator must be one of {QB_ESTIMATORS}, got {qb_estimator!r}")
+  if not 8 <= qb_bins <= 65536:
+    raise ValueError(f"qb_bins must be in [8, 65536], got {qb_bins}")
+  if not qb_range > 0:
+    raise ValueError(f"qb_range must be > 0, got {qb_range}")
   if num_experts < 1:
     raise ValueError(f"num_experts must be >= 1, got {num_experts}")
   if not 1 <= top_k <= num_experts:
@@ -123,6 +139,111 @@ def qb_exact_target(scores: jax.Array, bias: jax.Array, top_k: int, *,
   return b_new - jnp.mean(b_new)
 
 
+def _qb_thresholds(scores: jax.Array, bias: jax.Array,
+                   top_k: int) -> jax.Array:
+  """r = alpha - s [m, n] of DESIGN 3.6 (alpha = (k+1)-th largest s + b)."""
+  s = jax.lax.stop_gradient(scores.astype(jnp.float32))
+  b = jax.lax.stop_gradient(bias.astype(jnp.float32))
+  v, _ = jax.lax.top_k(s + b, top_k + 1)            # [m, k+1] descending
+  return v[:, top_k:top_k + 1] - s                  # [m, n]
+
+
+def qb_histogram(scores: jax.Array, bias: jax.Array, top_k: int, *,
+                 bins: int = 256, qb_range: float = 4.0) -> jax.Array:
+  """Histogram of the QB thresholds r[:, j] - b_j per expert (DESIGN 3.6).
+
+  The window is centred on the current bias of each expert: bin t of expert j
+  covers r - b_j in [-R + t w, -R + (t+1) w), w = 2R / bins, R = qb_range,
+  i.e. r in [lo_j, hi_j] = [b_j - R, b_j + R]. Centring on b keeps the
+  resolution where the target is (the target moves little once balanced, and
+  the update can move a bias by at most R per step); values outside the window
+  are clipped into the edge bins, so the estimate is then clamped to the
+  window. Since s is in (0, 1), |r - b_j| <= 1 + max b - min b, so the
+  default R = 4 covers every token unless the biases spread over > 3.
+
+  O(m n) work: one top_k(k+1) per token plus a segment_sum (scatter-add) of
+  m n ones into n * bins segments; no sort. Under jax.jit with the token axis
+  sharded the sum is a global reduction (counts identical to one device).
+  Counts are fp32: exact while a bin holds < 2**24 tokens.
+
+  Args:
+    scores: [m, n] unbiased router scores s.
+    bias: [n] current bias b (the one used for routing).
+    top_k: k, 1 <= k < n (static).
+    bins: number of bins (static).
+    qb_range: R > 0, window half-width (static).
+
+  Returns:
+    [n, bins] fp32 counts (each row sums to m). No gradient.
+  """
+  m, n = scores.shape
+  if not 1 <= top_k < n:
+    raise ValueError(
+        f"qb_histogram needs 1 <= top_k < n={n}, got top_k={top_k}")
+  b = jax.lax.stop_gradient(bias.astype(jnp.float32))
+  r = _qb_thresholds(scores, b, top_k)                            # [m, n]
+  width = 2.0 * qb_range / bins
+  t = jnp.floor((r - b + qb_range) / width)
+  t = jnp.clip(t, 0, bins - 1).astype(jnp.int32)                  # [m, n]
+  seg = t + jnp.arange(n, dtype=jnp.int32)[None, :] * bins        # [m, n]
+  counts = jax.ops.segment_sum(
+      jnp.ones((m * n,), jnp.float32), seg.reshape(-1),
+      num_segments=n * bins)
+  return counts.reshape(n, bins)
+
+
+def qb_target_from_histogram(hist: jax.Array, num_tokens, top_k,
+                             num_experts: int, lo, hi) -> jax.Array:
+  """QB target bias from per-expert threshold histograms (DESIGN 3.6).
+
+  q = floor(m k / n) (clamped to [0, m-1]). The exact estimator takes the
+  midpoint of the q-th and (q+1)-th smallest r. Here: the bin holding the
+  (q+1)-th smallest (first bin whose inclusive cumulative count reaches
+  q+1), C tokens below it and c in it; treating the c values as evenly spread
+  (the i-th at (i - 1/2)/c of the bin), the midpoint of the q-th and (q+1)-th
+  sits at fraction (q - C) / c of the bin. Hence: when both order statistics
+  lie in the window, the estimate is within one bin width of the exact
+  target's raw value, or inside the same (r_(q), r_(q+1)] gap, where every
+  bias gives the same load. After subtracting the mean, differences are
+  bounded by 2 bin widths (measured: well under one, see
+  tests/test_router_histogram.py).
+
+  Args:
+    hist: [..., E, bins] counts (from `qb_histogram`, summed over shards /
+      microbatches).
+    num_tokens: m, tokens counted in each row (scalar or [...]; may be traced).
+    top_k: k (int or traced scalar).
+    num_experts: E (static).
+    lo, hi: window edges, scalars or broadcastable to [..., E]
+      (qb_histogram's window: bias -/+ qb_range).
+
+  Returns:
+    [..., E] fp32 target bias, mean zero over E.
+  """
+  hist = jnp.asarray(hist, jnp.float32)
+  bins = hist.shape[-1]
+  if hist.shape[-2] != num_experts:
+    raise ValueError(
+        f"hist must be [..., E={num_experts}, bins], got {hist.shape}")
+  m = jnp.round(jnp.asarray(num_tokens, jnp.float32)).astype(jnp.int32)
+  k = jnp.round(jnp.asarray(top_k, jnp.float32)).astype(jnp.int32)
+  # floor(m k / n) in int32 without forming m * k.
+  q = (m // num_experts) * k + ((m % num_experts) * k) // num_experts
+  q = jnp.clip(q, 0, jnp.maximum(m - 1, 0)).astype(jnp.float32)
+  q = q[..., None, None]                                           # [...,1,1]
+  cum = jnp.cumsum(hist, axis=-1)                                  # [...,E,B]
+  t = jnp.sum((cum <= q).astype(jnp.int32), axis=-1)               # [..., E]
+  t = jnp.minimum(t, bins - 1)
+  c = jnp.take_along_axis(hist, t[..., None], axis=-1)[..., 0]
+  below = jnp.take_along_axis(cum, t[..., None], axis=-1)[..., 0] - c
+  frac = jnp.clip((q[..., 0] - below) / jnp.maximum(c, 1.0), 0.0, 1.0)
+  lo = jnp.asarray(lo, jnp.float32)
+  hi = jnp.asarray(hi, jnp.float32)
+  width = (hi - lo) / bins
+  target = lo + width * (t.astype(jnp.float32) + frac)
+  return target - jnp.mean(target, axis=-1, keepdims=True)
+
+
 def max_violation(load: jax.Array) -> jax.Array:
   """MaxVio = max_j load_j / mean_j load_j - 1.
 
@@ -142,27 +263,60 @@ def _is_mapping(x: Any) -> bool:
   return isinstance(x, (Mapping, FrozenDict))
 
 
+def _qb_hist_target(b: jax.Array, stats: Mapping, qb_range, top_k
+                    ) -> jax.Array:
+  """Target from 'qb_hist'/'qb_tokens' next to a bias b [..., E]."""
+  if "qb_tokens" not in stats:
+    raise ValueError("a 'qb_hist' router stat needs a 'qb_tokens' leaf; found "
+                     f"{sorted(stats)}")
+  if qb_range is None:
+    raise ValueError(
+        "update_router_state got histogram QB stats ('qb_hist') but no "
+        "qb_range; pass qb_range=config.model.moe.qb_range (the window "
+        "half-width the forward binned with)")
+  hist = jnp.asarray(stats["qb_hist"], jnp.float32)
+  tokens = jnp.asarray(stats["qb_tokens"], jnp.float32)
+  if top_k is None:
+    if "load" not in stats:
+      raise ValueError("update_router_state needs top_k or a 'load' leaf "
+                       "(sum(load) = tokens * top_k) for histogram QB")
+    # sum(load) = m * k exactly, also after summing over microbatches.
+    top_k = jnp.sum(jnp.asarray(stats["load"], jnp.float32), axis=-1) / (
+        jnp.maximum(tokens, 1.0))
+  return qb_target_from_histogram(hist, tokens, top_k, hist.shape[-2],
+                                  b - qb_range, b + qb_range)
+
+
 def _update_tree(state: Mapping, stats: Mapping | None, method: str,
-                 ema: float, sign_rate: float) -> dict:
+                 ema: float, sign_rate: float, qb_range, top_k) -> dict:
   out = {}
   for key, val in state.items():
     sub_stats = stats.get(key) if _is_mapping(stats) else None
     if _is_mapping(val):
-      out[key] = _update_tree(val, sub_stats, method, ema, sign_rate)
+      out[key] = _update_tree(val, sub_stats, method, ema, sign_rate,
+                              qb_range, top_k)
       continue
     out[key] = val
     if key != "bias" or not _is_mapping(stats):
       continue
     # Broadcasting over a leading layer axis (nn.scan) works: reduce over -1.
-    need = "qb_target" if method == "qb" else "load"
-    if need not in stats:
+    if method == "qb":
+      ok = "qb_target" in stats or "qb_hist" in stats
+      need = "qb_target' or 'qb_hist"
+    else:
+      ok, need = "load" in stats, "load"
+    if not ok:
       # Stats exist but were made under another balancing: fail loudly.
       raise ValueError(
-          f"update_router_state(method={method!r}) needs a {need!r} leaf next "
+          f"update_router_state(method={method!r}) needs a '{need}' leaf next "
           f"to the router bias; found {sorted(stats)}")
     b = jnp.asarray(val, jnp.float32)
     if method == "qb":
-      b = ema * b + (1.0 - ema) * jnp.asarray(stats["qb_target"], jnp.float32)
+      if "qb_hist" in stats:
+        target = _qb_hist_target(b, stats, qb_range, top_k)
+      else:
+        target = jnp.asarray(stats["qb_target"], jnp.float32)
+      b = ema * b + (1.0 - ema) * target
       b = b - jnp.mean(b, axis=-1, keepdims=True)
     else:  # sign
       load = jnp.asarray(stats["load"], jnp.float32)
@@ -174,28 +328,40 @@ def _update_tree(state: Mapping, stats: Mapping | None, method: str,
 
 def update_router_state(router_state: Mapping, router_stats: Mapping, *,
                         method: str, ema: float = 0.0,
-                        sign_rate: float = 1e-3) -> Mapping:
+                        sign_rate: float = 1e-3,
+                        qb_range: float | None = None,
+                        top_k: int | None = None) -> Mapping:
   """Applies the balancing rule to every router bias in a variable tree.
 
   `router_state` and `router_stats` mirror the module tree: a dict holding a
   `bias` leaf in the state corresponds to the dict at the same path in the
-  stats holding `load` (and `qb_target` for "qb"). Biases without matching
-  stats are returned unchanged; stats lacking the leaf the method needs (e.g.
-  no `qb_target` for "qb") raise ValueError. Leaves may carry leading axes
-  (e.g. a scanned layer axis: bias [L, E], load [L, E]); reductions are over
-  the last axis. Jit-friendly (pure dict traversal).
+  stats holding `load` (and `qb_target`, or `qb_hist` + `qb_tokens`, for
+  "qb"). Biases without matching stats are returned unchanged; stats lacking
+  the leaf the method needs (e.g. neither `qb_target` nor `qb_hist` for "qb")
+  raise ValueError. Leaves may carry leading axes (e.g. a scanned layer axis:
+  bias [L, E], load [L, E], qb_hist [L, E, bins]); reductions are over the
+  expert axis. Jit-friendly (pure dict traversal).
 
   Rules (per bias b [E]):
-    "qb":   b <- ema * b + (1 - ema) * qb_target, then b -= mean(b).
+    "qb":   target = qb_target (exact estimator) or, when the stats carry
+            `qb_hist`, qb_target_from_histogram over the window
+            [b - qb_range, b + qb_range] (b = this bias, the one the forward
+            routed and binned with); b <- ema * b + (1 - ema) * target, then
+            b -= mean(b).
     "sign": b <- b + sign_rate * sign(mean(load) - load).
     "aux", "none": unchanged.
 
   Args:
     router_state: the `router_state` collection (dict or FrozenDict).
-    router_stats: the `router_stats` collection from the same forward pass.
+    router_stats: the `router_stats` collection from the same forward pass
+      (or several, summed with `accumulate_router_stats`).
     method: "qb" | "sign" | "aux" | "none".
     ema: QB smoothing; 0 = jump to the target.
     sign_rate: sign-rule step u.
+    qb_range: histogram window half-width; required when stats hold
+      `qb_hist` (must equal the Router's qb_range).
+    top_k: k for the histogram quantile q = floor(m k / n); None derives it
+      from the stats as sum(load) / qb_tokens (exact).
 
   Returns:
     New router_state, same container kind (FrozenDict in -> FrozenDict out).
@@ -210,8 +376,58 @@ def update_router_state(router_state: Mapping, router_stats: Mapping, *,
   if method in ("aux", "none"):
     new = jax.tree_util.tree_map(lambda x: x, state)
   else:
-    new = _update_tree(state, stats, method, ema, sign_rate)
+    new = _update_tree(state, stats, method, ema, sign_rate, qb_range, top_k)
   return freeze(new) if frozen else new
+
+
+_SUMMED_STATS = ("load", "qb_hist", "qb_tokens")
+_AVERAGED_STATS = ("qb_target", "aux_loss")
+
+
+def accumulate_router_stats(a: Mapping | None, b: Mapping) -> Mapping:
+  """Combines the router_stats of two microbatches (or update windows).
+
+  Summed (exact: equal to the stats of the concatenated batch): `load`,
+  `qb_hist`, `qb_tokens`. Averaged: `qb_target` (the exact estimator's
+  per-batch target; the mean of per-microbatch quantiles is NOT the quantile
+  of the union, so this is an approximation -- use qb_estimator="histogram"
+  when accumulating) and `aux_loss`. The average is a running pairwise one,
+  (a + b) / 2: fold microbatches in as a balanced tree, or weight it
+  yourself, when there are more than two. `a=None` returns `b`.
+
+  Args:
+    a, b: `router_stats` trees of the same structure (dict or FrozenDict).
+
+  Returns:
+    The combined tree (same container kind as `b`).
+  """
+  if a is None:
+    return b
+  frozen = isinstance(b, FrozenDict)
+  a = unfreeze(a) if isinstance(a, FrozenDict) else a
+  bb = unfreeze(b) if frozen else b
+
+  def merge(x, y, path):
+    out = {}
+    for key, yv in y.items():
+      if key not in x:
+        raise ValueError(f"accumulate_router_stats: {'/'.join(path + (key,))}"
+                         " is missing from the first tree")
+      xv = x[key]
+      if _is_mapping(yv):
+        out[key] = merge(xv, yv, path + (key,))
+      elif key in _SUMMED_STATS:
+        out[key] = xv + yv
+      elif key in _AVERAGED_STATS:
+        out[key] = 0.5 * (xv + yv)
+      else:
+        raise ValueError(
+            f"accumulate_router_stats: unknown router stat {key!r} at "
+            f"{'/'.join(path)}")
+    return out
+
+  out = merge(a, bb, ())
+  return freeze(out) if frozen else out
 
 
 def collect_loads(router_stats: Mapping) -> dict[str, jax.Array]:
@@ -256,6 +472,11 @@ class Router(nn.Module):
     balancing: "qb" | "sign" | "aux" | "none" (what stats are emitted).
     route_scale: multiplies the normalised combine weights.
     aux_loss_coef: coefficient of the Switch loss (balancing == "aux").
+    qb_estimator: "exact" (emit `qb_target`) | "histogram" (emit `qb_hist`
+      [E, qb_bins] and `qb_tokens`; see `qb_histogram`).
+    qb_bins: histogram bins, in [8, 65536].
+    qb_range: histogram window half-width R > 0: bins cover r in
+      [b_j - R, b_j + R] around each expert's current bias.
     dtype: dtype the scores are computed in (fp32 by design).
     kernel_init: init of the `kernel` param [D, E].
   """
@@ -264,6 +485,9 @@ class Router(nn.Module):
   balancing: str = "qb"
   route_scale: float = 1.0
   aux_loss_coef: float = 0.0
+  qb_estimator: str = "exact"
+  qb_bins: int = 256
+  qb_range: float = 4.0
   dtype: Any = jnp.float32
   kernel_init: Callable = nn.initializers.variance_scaling(
       1.0, "fan_in", "truncated_normal")
@@ -280,7 +504,8 @@ class Router(nn.Module):
       combine_weight: [N, top_k] fp32, sum route_scale per token; gradient
         flows into the router kernel through the unbiased scores.
     """
-    _validate(self.num_experts, self.top_k, self.balancing)
+    _validate(self.num_experts, self.top_k, self.balancing,
+              self.qb_estimator, self.qb_bins, self.qb_range)
     if x.ndim != 2:
       raise ValueError(f"Router expects [N, D], got shape {x.shape}")
     e, k = self.num_experts, self.top_k
@@ -303,7 +528,15 @@ class Router(nn.Module):
       load = expert_load(jax.lax.stop_gradient(idx), e)           # [E]
       self.variable(STATS_COLLECTION, "load",
                     lambda: jnp.zeros((e,), jnp.float32)).value = load
-      if self.balancing == "qb":
+      if self.balancing == "qb" and self.qb_estimator == "histogram":
+        hist = qb_histogram(s, b, k, bins=self.qb_bins,
+                            qb_range=self.qb_range)               # [E, bins]
+        self.variable(STATS_COLLECTION, "qb_hist", lambda: jnp.zeros(
+            (e, self.qb_bins), jnp.float32)).value = hist
+        self.variable(STATS_COLLECTION, "qb_tokens",
+                      lambda: jnp.zeros((), jnp.float32)).value = jnp.asarray(
+                          x.shape[0], jnp.float32)
+      elif self.balancing == "qb":
         target = qb_exact_target(s, b, k)
         self.variable(STATS_COLLECTION, "qb_target",
                       lambda: jnp.zeros((e,), jnp.float32)).value = target

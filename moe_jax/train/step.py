@@ -91,7 +91,8 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation,
     # After the optimizer step, outside the gradient: the router bias update.
     router_state = update_router_state(
         state.router_state, stats, method=moe_cfg.balancing,
-        ema=moe_cfg.qb_ema, sign_rate=moe_cfg.sign_rate)
+        ema=moe_cfg.qb_ema, sign_rate=moe_cfg.sign_rate,
+        qb_range=moe_cfg.qb_range, top_k=moe_cfg.top_k)
     metrics = {"loss": loss, "ce": ce, "bpb": ce / LN2, "aux_loss": aux,
                "grad_norm": global_norm(grads),
                "param_norm": global_norm(params)}

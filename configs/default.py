@@ -25,6 +25,8 @@ VARIANTS = {
     "all_mla": setter(**{"model.layer_pattern": "M"}),
     # Load balancing baselines.
     "qb": setter(**{"model.moe.balancing": "qb"}),
+    "qb_histogram": setter(**{"model.moe.balancing": "qb",
+                              "model.moe.qb_estimator": "histogram"}),
     "sign": setter(**{"model.moe.balancing": "sign"}),
     "aux": setter(**{"model.moe.balancing": "aux"}),
     "no_balancing": setter(**{"model.moe.balancing": "none"}),

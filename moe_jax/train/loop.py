@@ -107,6 +107,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     ev["unigram_bpb"] = unigram_bpb
     ev["val_bpb_over_unigram"] = ev["val_bpb"] / unigram_bpb
     writer.write(step, ev, split="eval")
+    writer.write(step, {f"load/{layer}": [float(x) for x in load]
+                        for layer, load in loads.items()}, split="load")
     for layer, load in loads.items():
       writer.write_histogram(step, f"expert_load/{layer}", load)
     return ev
@@ -131,6 +133,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
       state, step = new_state, step + 1
       steps_since += 1
       bar.update(1)
+      # Router balance at every step (cheap scalars; MaxVio_batch per layer).
+      writer.write(step, {k: v for k, v in metrics.items()
+                          if k.startswith("maxvio/")}, split="router")
       if step % tcfg.log_every == 0 or step == last_step:
         metrics = jax.device_get(metrics)
         metrics["tokens_per_sec"] = steps_since * tokens_per_step / step_time

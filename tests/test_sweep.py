@@ -1,0 +1,70 @@
+"""The load-balancing sweep runs, resumes, summarises, and notebook 02 reads it."""
+import json
+import os
+
+import pytest
+
+from conftest import ROOT
+from experiments import sweep
+
+
+@pytest.fixture(scope="module")
+def tiny_sweep(tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp("sweep"))
+  spec = str(ROOT / "configs" / "ablations.py") + ":tiny,smoke"
+  rows = sweep.run_sweep(spec, workdir, only=("qb-exact", "sign"))
+  return spec, workdir, rows
+
+
+def test_sweep_summary_has_every_column(tiny_sweep):
+  _, workdir, rows = tiny_sweep
+  assert [r["name"] for r in rows] == ["qb-exact", "sign"]
+  for r in rows:
+    assert set(sweep.COLUMNS) <= set(r)
+    assert r["val_loss"] > 0 and r["tokens_per_sec"] > 0
+  assert json.load(open(os.path.join(workdir, "summary.json"))) == rows
+  table = open(os.path.join(workdir, "summary.md")).read()
+  assert "maxvio_batch_last20" in table and "| sign |" in table
+
+
+def test_sweep_resumes_without_retraining(tiny_sweep, monkeypatch):
+  spec, workdir, rows = tiny_sweep
+
+  def fail(*args, **kwargs):
+    raise AssertionError("a finished entry was retrained")
+
+  monkeypatch.setattr(sweep, "train_and_evaluate", fail)
+  assert sweep.run_sweep(spec, workdir, only=("qb-exact", "sign")) == rows
+
+
+def test_sweep_rejects_unknown_entry(tiny_sweep):
+  spec, workdir, _ = tiny_sweep
+  with pytest.raises(ValueError, match=r"not in the sweep; allowed: "
+                     r"\['qb-exact', 'qb-histogram', 'sign', 'aux', 'none'\]"):
+    sweep.run_sweep(spec, workdir, only=("magic",))
+
+
+def test_every_sweep_entry_is_a_valid_config():
+  from moe_jax.config_base import setter
+  from moe_jax.config_validation import validate_config
+  base, entries = sweep.load_sweep(str(ROOT / "configs" / "ablations.py"))
+  for entry in entries:
+    config = base.copy_and_resolve_references()
+    setter(**entry["overrides"])(config)
+    validate_config(config)
+
+
+def test_load_balancing_notebook_executes(tiny_sweep, monkeypatch):
+  nbformat = pytest.importorskip("nbformat")
+  nbclient = pytest.importorskip("nbclient")
+  _, workdir, _ = tiny_sweep
+  monkeypatch.setenv("MOE_JAX_SWEEP_DIR", workdir)
+  path = ROOT / "notebooks" / "02_load_balancing.ipynb"
+  nb = nbformat.read(str(path), as_version=4)
+  nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
+                          resources={"metadata": {"path": str(path.parent)}}
+                          ).execute()
+  assert os.path.exists(os.path.join(workdir, "loads_by_strategy.png"))
+  outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
+                    for o in c.get("outputs", []))
+  assert "strategies plotted: ['qb-exact', 'sign']" in outputs

@@ -30,6 +30,9 @@ VARIANTS = {
     "sign": setter(**{"model.moe.balancing": "sign"}),
     "aux": setter(**{"model.moe.balancing": "aux"}),
     "no_balancing": setter(**{"model.moe.balancing": "none"}),
+    # Extreme sparsity: 256 routed experts, top-8 (1/32 of experts active).
+    "extreme": setter(**{"model.moe.num_experts": 256, "model.moe.top_k": 8,
+                         "model.moe.d_expert": 16}),
     # Smaller and shorter, for tests and notebooks.
     "tiny": setter(**{"model.d_model": 32, "model.num_layers": 2,
                       "model.layer_pattern": "KM", "model.kda.chunk_size": 16,

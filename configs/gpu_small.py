@@ -6,7 +6,8 @@ one shared expert, Block Attention Residuals, Quantile Balancing.
 
 Launch on a GPU machine (from the repo root):
   python -m experiments.train --config=configs/gpu_small.py --workdir=runs/gpu_small
-Variants: standard_residual, unbounded_decay, sign, aux, no_balancing, short.
+Variants: standard_residual, unbounded_decay, sign, aux, no_balancing, extreme,
+short.
   python -m experiments.train --config=configs/gpu_small.py:sign --workdir=runs/gs_sign
 """
 from moe_jax.config_base import apply_variant, base_config, setter
@@ -18,6 +19,9 @@ VARIANTS = {
     "sign": setter(**{"model.moe.balancing": "sign"}),
     "aux": setter(**{"model.moe.balancing": "aux"}),
     "no_balancing": setter(**{"model.moe.balancing": "none"}),
+    # Extreme sparsity: 256 routed experts of width 32, top-8 (~124M total).
+    "extreme": setter(**{"model.moe.num_experts": 256, "model.moe.top_k": 8,
+                         "model.moe.d_expert": 32}),
     "short": setter(**{"train.steps": 200, "train.warmup_steps": 20,
                      "train.eval_every": 100, "train.checkpoint_every": 100}),
 }

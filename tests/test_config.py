@@ -12,7 +12,7 @@ def test_configs_validate(name):
 
 @pytest.mark.parametrize("variant", [
     "standard_residual", "full_attn_res", "unbounded_decay", "all_kda",
-    "all_mla", "qb", "qb_histogram", "sign", "aux", "no_balancing", "smoke", "sign,smoke"])
+    "all_mla", "qb", "qb_histogram", "extreme", "sign", "aux", "no_balancing", "smoke", "sign,smoke"])
 def test_default_variants_validate(variant):
   validate_config(load_config("default.py", variant))
 

@@ -100,3 +100,23 @@ def test_weight_decay_mask_skips_gate_biases(tiny):
   assert mask[kda]["dt_bias"] is False and mask[kda]["A_log"] is False
   assert mask[kda]["q_proj"]["kernel"] is True
   assert mask["final_norm"]["scale"] is False
+
+
+def test_extreme_sparsity_trains_and_balances():
+  """256 routed experts, top-8, tiny d_model: a few QB steps on CPU."""
+  config = load_config("default.py", "tiny,smoke,extreme")
+  assert config.model.moe.num_experts >= 256 and config.model.moe.top_k <= 8
+  model = build_model(config)
+  tx = make_optimizer(config.train)
+  state = init_train_state(model, tx, jax.random.PRNGKey(0), 32)
+  step = jax.jit(make_train_step(model, tx, config.model.moe))
+  rng = np.random.default_rng(1)
+  maxvio = []
+  for _ in range(4):
+    batch = {"inputs": jnp.asarray(rng.integers(0, 256, (4, 32)), jnp.int32),
+             "targets": jnp.asarray(rng.integers(0, 256, (4, 32)), jnp.int32)}
+    state, metrics = step(state, batch)
+    assert np.isfinite(float(metrics["loss"]))
+    maxvio.append(float(metrics["maxvio/layer_0"]))
+  assert all(b.shape == (256,) for b in jax.tree.leaves(state.router_state))
+  assert all(np.isfinite(maxvio))

@@ -33,6 +33,7 @@ VARIANTS = {
     # Extreme sparsity: 256 routed experts, top-8 (1/32 of experts active).
     "extreme": setter(**{"model.moe.num_experts": 256, "model.moe.top_k": 8,
                          "model.moe.d_expert": 16}),
+    "latent_experts": setter(**{"model.moe.expert_latent_dim": 32}),
     # Smaller and shorter, for tests and notebooks.
     "tiny": setter(**{"model.d_model": 32, "model.num_layers": 2,
                       "model.layer_pattern": "KM", "model.kda.chunk_size": 16,

@@ -56,6 +56,7 @@ def base_config() -> ml_collections.ConfigDict:
   moe.num_shared = 1            # shared experts (0 allowed)
   moe.d_shared = 64
   moe.route_scale = 1.0
+  moe.expert_latent_dim = 0      # 0 = off; L < d_model = latent experts
   moe.first_dense_layers = 0    # leading layers with a dense SwiGLU instead of the MoE
   moe.d_dense = 128
   moe.dispatch = "ragged"       # ragged (sort + ragged_dot) | loop (reference)

@@ -125,6 +125,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   _int_range(config, "model.moe.d_expert", 1)
   _int_range(config, "model.moe.num_shared", 0)
   _int_range(config, "model.moe.d_shared", 1)
+  _int_range(config, "model.moe.expert_latent_dim", 0, config.model.d_model)
   _float_range(config, "model.moe.route_scale", 0.0, lo_open=True)
   _int_range(config, "model.moe.first_dense_layers", 0,
              config.model.num_layers)

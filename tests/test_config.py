@@ -12,7 +12,7 @@ def test_configs_validate(name):
 
 @pytest.mark.parametrize("variant", [
     "standard_residual", "full_attn_res", "unbounded_decay", "all_kda",
-    "all_mla", "qb", "qb_histogram", "extreme", "sign", "aux", "no_balancing", "smoke", "sign,smoke"])
+    "all_mla", "qb", "qb_histogram", "extreme", "latent_experts", "sign", "aux", "no_balancing", "smoke", "sign,smoke"])
 def test_default_variants_validate(variant):
   validate_config(load_config("default.py", variant))
 
@@ -36,6 +36,8 @@ def test_unknown_variant_names_allowed_ones():
     ("model.moe.balancing", "magic", r"model\.moe\.balancing must be one of"),
     ("model.layer_pattern", "KXM", r"model\.layer_pattern"),
     ("model.kda.chunk_size", 48, r"model\.kda\.chunk_size must be one of"),
+    ("model.moe.expert_latent_dim", 65, r"model\.moe\.expert_latent_dim must "
+     r"be in \[0, 64\]"),
     ("data.source", "web", r"data\.source must be one of \['stdlib', "
      r"'token_file'\]"),
     ("train.warmup_steps", 10_000, r"train\.warmup_steps must be in"),

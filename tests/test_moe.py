@@ -175,3 +175,34 @@ def test_top_k_larger_than_experts_raises():
   with pytest.raises(ValueError, match="top_k"):
     jax.eval_shape(_moe(top_k=E + 1, balancing="none").init,
                    jax.random.PRNGKey(0), _x())
+
+
+@pytest.mark.parametrize("dispatch", ["ragged", "loop"])
+def test_latent_experts_with_identity_projection_equal_plain_moe(dispatch):
+  """expert_latent_dim = D with identity down/up projections and the same
+  experts must give the plain MoE, values and input gradients."""
+  x = _x(3)
+  plain = _moe(dispatch)
+  latent = _moe(dispatch, expert_latent_dim=D)
+  params, state = _init(plain, x, seed=4)
+  lat_params = dict(params)
+  lat_params["latent_down"] = {"kernel": jnp.eye(D)}
+  lat_params["latent_up"] = {"kernel": jnp.eye(D)}
+  ct = jax.random.normal(jax.random.PRNGKey(9), x.shape)
+  (_, y0), (_, gx0) = _value_and_grad(plain)(params, state, x, ct)
+  (_, y1), (g1, gx1) = _value_and_grad(latent)(lat_params, state, x, ct)
+  np.testing.assert_allclose(y1, y0, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(gx1, gx0, rtol=1e-5, atol=1e-5)
+  assert np.any(g1["latent_down"]["kernel"])  # the projections are trained
+
+
+def test_latent_experts_shrink_expert_params():
+  x = _x(5)
+  shapes = jax.eval_shape(_moe(expert_latent_dim=4).init,
+                          jax.random.PRNGKey(0), x)["params"]
+  assert shapes["w_gate"].shape == (E, 4, F)
+  assert shapes["w_down"].shape == (E, F, 4)
+  assert shapes["latent_down"]["kernel"].shape == (D, 4)
+  assert shapes["latent_up"]["kernel"].shape == (4, D)
+  y = _fwd(_moe(expert_latent_dim=4))(*_init(_moe(expert_latent_dim=4), x), x)
+  assert y.shape == x.shape and np.all(np.isfinite(y))

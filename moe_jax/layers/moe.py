@@ -70,6 +70,9 @@ class MoE(nn.Module):
     balancing: router balancing, "qb" | "sign" | "aux" | "none".
     route_scale: scale of the routed combine weights.
     aux_loss_coef: Switch aux loss coefficient (balancing == "aux").
+    expert_latent_dim: 0 = experts act on d_model; L > 0 = latent experts:
+      tokens are projected D -> L (`latent_down`) before the routed experts
+      and L -> D (`latent_up`) after; the router and shared expert see x.
     qb_estimator, qb_bins, qb_range: Quantile-Balancing estimator settings,
       passed to the Router (see router.py).
     dispatch: "ragged" (sort + ragged_dot) | "loop" (reference).
@@ -89,6 +92,7 @@ class MoE(nn.Module):
   qb_estimator: str = "exact"
   qb_bins: int = 256
   qb_range: float = 4.0
+  expert_latent_dim: int = 0
   dispatch: str = "ragged"
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
@@ -111,21 +115,32 @@ class MoE(nn.Module):
         num_experts=e, top_k=self.top_k, balancing=self.balancing,
         route_scale=self.route_scale, aux_loss_coef=self.aux_loss_coef,
         qb_estimator=self.qb_estimator, qb_bins=self.qb_bins,
-        qb_range=self.qb_range, name="router")(xf)                                       # [N, k] x2
+        qb_range=self.qb_range, name="router")(xf)               # [N, k] x2
+
+    # Latent experts: route on x, but run the routed experts in a smaller
+    # space (fewer expert params, a smaller all-to-all payload when sharded).
+    latent = self.expert_latent_dim
+    dense = lambda n, name: nn.Dense(  # noqa: E731
+        n, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
+        kernel_init=self.kernel_init, name=name)
+    xc = xf.astype(self.dtype)
+    x_experts = dense(latent, "latent_down")(xc) if latent else xc
+    d_in = latent or d
 
     init = _expert_init(self.kernel_init)
-    w_gate = self.param("w_gate", init, (e, d, f), self.param_dtype)
-    w_up = self.param("w_up", init, (e, d, f), self.param_dtype)
-    w_down = self.param("w_down", init, (e, f, d), self.param_dtype)
-    xc = xf.astype(self.dtype)
+    w_gate = self.param("w_gate", init, (e, d_in, f), self.param_dtype)
+    w_up = self.param("w_up", init, (e, d_in, f), self.param_dtype)
+    w_down = self.param("w_down", init, (e, f, d_in), self.param_dtype)
     w_gate, w_up, w_down = (
         p.astype(self.dtype) for p in (w_gate, w_up, w_down))
 
     if self.dispatch == "ragged":
-      y = _ragged_experts(xc, idx, w, w_gate, w_up, w_down)
+      y = _ragged_experts(x_experts, idx, w, w_gate, w_up, w_down)
     else:
-      y = _loop_experts(xc, idx, w, w_gate, w_up, w_down)
+      y = _loop_experts(x_experts, idx, w, w_gate, w_up, w_down)
     y = y.astype(self.dtype)
+    if latent:
+      y = dense(d, "latent_up")(y)
 
     if self.num_shared > 0:
       d_shared = self.d_shared if self.d_shared is not None else self.d_expert

@@ -234,10 +234,23 @@ def test_gla_validation(kwargs, match):
 
 @pytest.mark.parametrize("backend", ["pallas", "interpret"])
 def test_pallas_backends_not_yet_implemented(backend):
-  with pytest.raises(NotImplementedError, match="backend='xla'"):
+  # GLA has a bounded-path kernel: it refuses a missing g_min clearly.
+  with pytest.raises(ValueError, match=r"g_min in \[-5.5, 0\).*backend='xla'"):
     gla(Q, KK, VV, G, backend=backend)
   with pytest.raises(NotImplementedError, match="backend='xla'"):
     kda(Q, KK, VV, G, BETA, backend=backend)
+
+
+def test_auto_backend_uses_xla_when_no_kernel_fits(monkeypatch):
+  from pallas_kernels.linear_attention import ops
+  monkeypatch.setattr(ops.jax, "default_backend", lambda: "gpu")
+  xla = ops._IMPLS["xla"]["gla"]
+  assert ops._resolve("gla", "auto", chunk_size=64, g_min=None) is xla
+  assert ops._resolve("gla", "auto", chunk_size=32, g_min=-5.0) is xla
+  assert ops._resolve("gla", "auto", chunk_size=64, g_min=-5.0) is (
+      ops._IMPLS["pallas"]["gla"])
+  assert ops._resolve("kda", "auto", chunk_size=64, g_min=-5.0) is (
+      ops._IMPLS["xla"]["kda"])
 
 
 @pytest.mark.parametrize("c", [16, 64])

@@ -69,12 +69,17 @@ def _xla_kda(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min):
 register_backend("xla", gla=_xla_gla, kda=_xla_kda)
 
 
-def _resolve(op: str, backend: str) -> Callable:
+def _resolve(op: str, backend: str, *, chunk_size: int = 64,
+             g_min: Optional[float] = None) -> Callable:
   if not isinstance(backend, str) or backend not in BACKENDS:
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
   if backend == "auto":
+    # The kernels written so far cover the bounded path at chunk 64 only;
+    # "auto" never picks a kernel that would refuse the call.
     on_gpu = jax.default_backend() == "gpu"
-    backend = "pallas" if on_gpu and op in _IMPLS.get("pallas", {}) else "xla"
+    fits = g_min is not None and chunk_size == 64
+    backend = ("pallas" if on_gpu and fits and op in _IMPLS.get("pallas", {})
+               else "xla")
   impl = _IMPLS.get(backend, {}).get(op)
   if impl is None:
     raise NotImplementedError(
@@ -134,7 +139,7 @@ def gla(q, k, v, g, *, scale=None, initial_state=None, backend="auto",
     o [B, T, H, V] in v.dtype, final state [B, H, K, V] fp32.
   """
   g_min = _validate(q, k, v, g, None, initial_state, chunk_size, g_min)
-  impl = _resolve("gla", backend)
+  impl = _resolve("gla", backend, chunk_size=chunk_size, g_min=g_min)
   return impl(q, k, v, g, scale=scale, initial_state=initial_state,
               chunk_size=chunk_size, g_min=g_min)
 
@@ -162,7 +167,7 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, backend="auto",
     raise ValueError(f"beta must have rank 3 [B, T, H], got shape "
                      f"{_shape(beta)}")
   g_min = _validate(q, k, v, g, beta, initial_state, chunk_size, g_min)
-  impl = _resolve("kda", backend)
+  impl = _resolve("kda", backend, chunk_size=chunk_size, g_min=g_min)
   return impl(q, k, v, g, beta, scale=scale, initial_state=initial_state,
               chunk_size=chunk_size, g_min=g_min)
 

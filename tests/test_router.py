@@ -224,3 +224,26 @@ def test_router_validation():
   with pytest.raises(ValueError, match="balancing"):
     Router(num_experts=4, top_k=2, balancing="bogus").init(
         jax.random.PRNGKey(0), x)
+
+
+def _updates_to_reach(rule, target=0.3, max_updates=300):
+  """Updates until MaxVio_batch < target on fresh skewed batches (or None)."""
+  b = jnp.zeros((N,))
+  for t in range(max_updates + 1):
+    s = _scores(1000 + t)
+    load = _load(s, b)
+    if float(max_violation(load)) < target:
+      return t
+    if rule == "qb":
+      b = _qb(s, b, K)
+    else:
+      b = update_router_state({"r": {"bias": b}}, {"r": {"load": load}},
+                              method="sign", sign_rate=1e-3)["r"]["bias"]
+  return None
+
+
+def test_qb_reaches_maxvio_0p3_in_fewer_updates_than_sign():
+  qb, sign = _updates_to_reach("qb"), _updates_to_reach("sign")
+  print("updates to MaxVio < 0.3: qb", qb, "sign", sign)
+  assert qb is not None and qb <= 20
+  assert sign is None or sign > qb

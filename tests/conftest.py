@@ -44,3 +44,21 @@ def smoke_run(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("smoke_run"))
   result = train_and_evaluate(config, workdir)
   return config, workdir, result
+
+
+def execute_notebook(name: str):
+  """Executes notebooks/<name> in a python3 kernel (cwd = notebooks/).
+
+  Returns (notebook, printed text of all code cells). Skips the test where
+  nbformat/nbclient are not installed (they come with the [test] extra).
+  """
+  nbformat = pytest.importorskip("nbformat")
+  nbclient = pytest.importorskip("nbclient")
+  path = ROOT / "notebooks" / name
+  nb = nbformat.read(str(path), as_version=4)
+  nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
+                          resources={"metadata": {"path": str(path.parent)}}
+                          ).execute()
+  text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
+                 for o in c.get("outputs", []))
+  return nb, text

@@ -1,15 +1,13 @@
 """Numerical range scan of the dense-dot decay tile (DESIGN 3.1)."""
 import math
-import pathlib
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+from conftest import ROOT, execute_notebook
 from pallas_kernels.linear_attention import numerics
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _row(rows, **kw):
@@ -125,15 +123,7 @@ def test_range_scan_cli_prints_a_table(tmp_path):
 
 
 def test_notebook_executes():
-  nbformat = pytest.importorskip("nbformat")
-  nbclient = pytest.importorskip("nbclient")
-  path = ROOT / "notebooks" / "01_decay_numerics.ipynb"
-  nb = nbformat.read(str(path), as_version=4)
-  nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
-                          resources={"metadata": {"path": str(path.parent)}}
-                          ).execute()
-  outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
-                    for o in c.get("outputs", []))
+  nb, outputs = execute_notebook("01_decay_numerics.ipynb")
   assert "recommended bound" in outputs
   assert "float32   L= 16: -5.0" in outputs
   assert any("image/png" in o.get("data", {}) for c in nb.cells

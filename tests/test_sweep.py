@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, execute_notebook
 from experiments import sweep
 
 
@@ -55,16 +55,8 @@ def test_every_sweep_entry_is_a_valid_config():
 
 
 def test_load_balancing_notebook_executes(tiny_sweep, monkeypatch):
-  nbformat = pytest.importorskip("nbformat")
-  nbclient = pytest.importorskip("nbclient")
   _, workdir, _ = tiny_sweep
   monkeypatch.setenv("MOE_JAX_SWEEP_DIR", workdir)
-  path = ROOT / "notebooks" / "02_load_balancing.ipynb"
-  nb = nbformat.read(str(path), as_version=4)
-  nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
-                          resources={"metadata": {"path": str(path.parent)}}
-                          ).execute()
+  _, outputs = execute_notebook("02_load_balancing.ipynb")
   assert os.path.exists(os.path.join(workdir, "loads_by_strategy.png"))
-  outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
-                    for o in c.get("outputs", []))
   assert "strategies plotted: ['qb-exact', 'sign']" in outputs

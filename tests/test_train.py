@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import ROOT, load_config
+from conftest import execute_notebook, load_config
 from moe_jax.train import loop
 from moe_jax.train.checkpoint import Checkpointer
 from moe_jax.train.metrics import read_metrics
@@ -67,18 +67,10 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(
 
 
 def test_quickstart_notebook_executes(smoke_run, monkeypatch):
-  nbformat = pytest.importorskip("nbformat")
-  nbclient = pytest.importorskip("nbclient")
   _, workdir, _ = smoke_run
   monkeypatch.setenv("MOE_JAX_WORKDIR", workdir)
-  path = ROOT / "notebooks" / "00_quickstart.ipynb"
-  nb = nbformat.read(str(path), as_version=4)
-  nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
-                          resources={"metadata": {"path": str(path.parent)}}
-                          ).execute()
+  _, outputs = execute_notebook("00_quickstart.ipynb")
   assert os.path.exists(os.path.join(workdir, "maxvio.png"))
-  outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
-                    for o in c.get("outputs", []))
   assert "layer_0" in outputs and "final_loss" in outputs
 
 

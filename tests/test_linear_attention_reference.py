@@ -233,24 +233,38 @@ def test_gla_validation(kwargs, match):
 
 
 @pytest.mark.parametrize("backend", ["pallas", "interpret"])
-def test_pallas_backends_not_yet_implemented(backend):
-  # GLA has a bounded-path kernel: it refuses a missing g_min clearly.
-  with pytest.raises(ValueError, match=r"g_min in \[-5.5, 0\).*backend='xla'"):
-    gla(Q, KK, VV, G, backend=backend)
-  with pytest.raises(NotImplementedError, match="backend='xla'"):
-    kda(Q, KK, VV, G, BETA, backend=backend)
+def test_pallas_bounded_path_refuses_bad_g_min(backend):
+  x = jnp.zeros((1, 16, 1, 16), jnp.float32)  # shapes the kernel accepts
+  with pytest.raises(ValueError, match=r"g_min in \[-5.5, 0\)"):
+    gla(x, x, x, x - 1.0, backend=backend, g_min=-9.0)
 
 
-def test_auto_backend_uses_xla_when_no_kernel_fits(monkeypatch):
+def test_auto_backend_picks_a_kernel_only_when_it_fits(monkeypatch):
   from pallas_kernels.linear_attention import ops
   monkeypatch.setattr(ops.jax, "default_backend", lambda: "gpu")
-  xla = ops._IMPLS["xla"]["gla"]
-  assert ops._resolve("gla", "auto", chunk_size=64, g_min=None) is xla
-  assert ops._resolve("gla", "auto", chunk_size=32, g_min=-5.0) is xla
-  assert ops._resolve("gla", "auto", chunk_size=64, g_min=-5.0) is (
-      ops._IMPLS["pallas"]["gla"])
-  assert ops._resolve("kda", "auto", chunk_size=64, g_min=-5.0) is (
+  xla, pallas = ops._IMPLS["xla"]["gla"], ops._IMPLS["pallas"]["gla"]
+  # Bounded path with a safe g_min; the unbounded kernel otherwise.
+  assert ops._resolve("gla", "auto", chunk_size=64, g_min=-5.0) == (
+      pallas, -5.0)
+  assert ops._resolve("gla", "auto", chunk_size=64, g_min=None) == (
+      pallas, None)
+  assert ops._resolve("gla", "auto", chunk_size=64, g_min=-9.0) == (
+      pallas, None)
+  # Shapes the kernels refuse go to XLA.
+  assert ops._resolve("gla", "auto", chunk_size=32, g_min=-5.0)[0] is xla
+  assert ops._resolve("gla", "auto", chunk_size=64, g_min=-5.0,
+                      dims=(24, 16))[0] is xla
+  assert ops._resolve("gla", "auto", chunk_size=64, g_min=-5.0,
+                      dims=(16, 512))[0] is xla
+  # A bounded-only kernel is never picked without a safe g_min.
+  monkeypatch.setattr(ops, "_BOUNDED_ONLY", {"kda"})
+  assert ops._resolve("kda", "auto", chunk_size=64, g_min=None)[0] is (
       ops._IMPLS["xla"]["kda"])
+  assert ops._resolve("kda", "auto", chunk_size=64, g_min=-5.0)[0] is (
+      ops._IMPLS["pallas"]["kda"])
+  # Off GPU, auto is always XLA.
+  monkeypatch.setattr(ops.jax, "default_backend", lambda: "cpu")
+  assert ops._resolve("gla", "auto", chunk_size=64, g_min=-5.0)[0] is xla
 
 
 @pytest.mark.parametrize("c", [16, 64])

@@ -6,8 +6,10 @@ from pallas_kernels.linear_attention.reference import (
     chunk_gla_ref, chunk_kda_ref, naive_recurrent_gla, naive_recurrent_kda,
     recurrent_step_gla, recurrent_step_kda)
 from pallas_kernels.linear_attention import gla_pallas as _gla_pallas
+from pallas_kernels.linear_attention import kda_pallas as _kda_pallas
 
-_gla_pallas.register()  # "pallas" / "interpret" backends for gla (KDA: not yet)
+_gla_pallas.register()  # "pallas" / "interpret" backends for gla
+_kda_pallas.register()  # ... and for kda (forward and backward kernels)
 
 __all__ = [
     "gla", "kda", "gla_step", "kda_step", "register_backend",

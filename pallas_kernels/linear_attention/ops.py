@@ -11,8 +11,8 @@ Backends. "xla" runs the pure-JAX chunked oracle (reference.chunk_*_ref),
 which is safe for any g <= 0. "pallas" (GPU) and "interpret" (the same Pallas
 kernels interpreted on CPU) are filled in by a kernel module calling
 register_backend(...) at import; until then they raise NotImplementedError.
-"auto" picks "pallas" on a GPU when a Pallas kernel is registered for the op,
-else "xla".
+"auto" picks "pallas" on a GPU when the Pallas kernel accepts the call (see
+_resolve), else "xla".
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import numbers
 from typing import Callable, Dict, Optional
 
 import jax
+import numpy as np
 
 from pallas_kernels.linear_attention.reference import (
     chunk_gla_ref, chunk_kda_ref, recurrent_step_gla, recurrent_step_kda)
@@ -69,23 +70,44 @@ def _xla_kda(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min):
 register_backend("xla", gla=_xla_gla, kda=_xla_kda)
 
 
+# Ops whose Pallas kernel has only the bounded path (g_min required).
+_BOUNDED_ONLY: set = set()
+KERNEL_CHUNK = 64        # the Pallas kernels' chunk length
+KERNEL_G_MIN_LOWEST = -5.5  # the bounded kernels' lowest g_min (16-row tiles)
+
+
+def set_bounded_only(op: str, bounded_only: bool) -> None:
+  """Kernel modules declare whether their Pallas op lacks the unbounded path."""
+  (_BOUNDED_ONLY.add if bounded_only else _BOUNDED_ONLY.discard)(op)
+
+
 def _resolve(op: str, backend: str, *, chunk_size: int = 64,
-             g_min: Optional[float] = None) -> Callable:
+             g_min: Optional[float] = None, dims=(16, 16)):
+  """(implementation, g_min to pass) for op and backend.
+
+  "auto" picks the Pallas kernel on a GPU whenever it accepts the call
+  (chunk 64, K and V multiples of 16 up to 256): the bounded path when g_min
+  is within the kernels' safe range, else the unbounded (position-pair) path
+  with g_min=None if the op has one; otherwise the XLA oracle.
+  """
   if not isinstance(backend, str) or backend not in BACKENDS:
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
   if backend == "auto":
-    # The kernels written so far cover the bounded path at chunk 64 only;
-    # "auto" never picks a kernel that would refuse the call.
+    backend = "xla"
     on_gpu = jax.default_backend() == "gpu"
-    fits = g_min is not None and chunk_size == 64
-    backend = ("pallas" if on_gpu and fits and op in _IMPLS.get("pallas", {})
-               else "xla")
+    fits = (chunk_size == KERNEL_CHUNK
+            and all(d % 16 == 0 and 0 < d <= 256 for d in dims))
+    if on_gpu and fits and op in _IMPLS.get("pallas", {}):
+      if g_min is not None and g_min >= KERNEL_G_MIN_LOWEST:
+        backend = "pallas"
+      elif op not in _BOUNDED_ONLY:
+        backend, g_min = "pallas", None
   impl = _IMPLS.get(backend, {}).get(op)
   if impl is None:
     raise NotImplementedError(
-        f"{op}: backend={backend!r} has no implementation yet; the Pallas "
-        "kernels land with the kernel issue; use backend='xla'")
-  return impl
+        f"{op}: backend={backend!r} has no implementation registered; "
+        f"available: {available_backends(op)}")
+  return impl, g_min
 
 
 def _shape(x):
@@ -115,6 +137,15 @@ def _validate(q, k, v, g, beta, initial_state, chunk_size, g_min):
       or chunk_size not in CHUNK_SIZES):
     raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got "
                      f"{chunk_size!r}")
+  if isinstance(g, (np.ndarray, jax.Array)) and not isinstance(
+      g, jax.core.Tracer):
+    # Concrete inputs only (eager calls, or constants closed over by a jit):
+    # traced values cannot be checked without a host sync inside jit. numpy
+    # does the max so that nothing is staged into an enclosing trace.
+    g_max = float(np.max(np.asarray(g, np.float32))) if g.size else 0.0
+    if not g_max <= 0.0:
+      raise ValueError(f"g is a log decay and must be <= 0 everywhere, got "
+                       f"max(g)={g_max}")
   if g_min is not None:
     if (isinstance(g_min, bool) or not isinstance(g_min, numbers.Real)
         or not math.isfinite(g_min) or not g_min < 0):
@@ -139,7 +170,8 @@ def gla(q, k, v, g, *, scale=None, initial_state=None, backend="auto",
     o [B, T, H, V] in v.dtype, final state [B, H, K, V] fp32.
   """
   g_min = _validate(q, k, v, g, None, initial_state, chunk_size, g_min)
-  impl = _resolve("gla", backend, chunk_size=chunk_size, g_min=g_min)
+  impl, g_min = _resolve("gla", backend, chunk_size=chunk_size, g_min=g_min,
+                         dims=(_shape(q)[3], _shape(v)[3]))
   return impl(q, k, v, g, scale=scale, initial_state=initial_state,
               chunk_size=chunk_size, g_min=g_min)
 
@@ -167,7 +199,8 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, backend="auto",
     raise ValueError(f"beta must have rank 3 [B, T, H], got shape "
                      f"{_shape(beta)}")
   g_min = _validate(q, k, v, g, beta, initial_state, chunk_size, g_min)
-  impl = _resolve("kda", backend, chunk_size=chunk_size, g_min=g_min)
+  impl, g_min = _resolve("kda", backend, chunk_size=chunk_size, g_min=g_min,
+                         dims=(_shape(q)[3], _shape(v)[3]))
   return impl(q, k, v, g, beta, scale=scale, initial_state=initial_state,
               chunk_size=chunk_size, g_min=g_min)
 

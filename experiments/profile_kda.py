@@ -1,0 +1,157 @@
+r"""Per-kernel timing of the Pallas KDA (GPU): where the milliseconds go.
+
+Times each pallas_call of kda_pallas on its own (inputs precomputed, one jit
+per kernel), then the whole forward and forward+backward, for the bounded and
+unbounded paths and several K-slice widths (block_k) and warp counts. A table
+per configuration, so that a slow kernel is named rather than guessed.
+
+  PYTHONPATH=. python -m experiments.profile_kda --out=/tmp/prof_kda
+  PYTHONPATH=. python -m experiments.profile_kda --b=1 --t=32768 \
+      --configs=bounded:128,bounded:32,unbounded:32 --warps=0,8
+
+--warps=0 keeps each kernel's own warp count; N forces N warps everywhere.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.linear_attention import kda_pallas as kp
+
+_OUT = flags.DEFINE_string("out", "/tmp/profile_kda", "Output folder.")
+_B = flags.DEFINE_integer("b", 1, "Batch.")
+_T = flags.DEFINE_integer("t", 32768, "Sequence length.")
+_H = flags.DEFINE_integer("h", 16, "Heads.")
+_D = flags.DEFINE_integer("d", 128, "K = V.")
+_CONFIGS = flags.DEFINE_list("configs", ["bounded:128", "bounded:64",
+                                         "bounded:32", "unbounded:32"],
+                             "path:block_k pairs.")
+_WARPS = flags.DEFINE_list("warps", ["0"], "0: kernel defaults; N: force N.")
+_ITERS = flags.DEFINE_integer("iters", 10, "Timed iterations (median).")
+_INTERPRET = flags.DEFINE_bool("interpret", False,
+                               "Interpret mode (a CPU smoke test).")
+
+
+def _median_ms(fn, iters):
+  jax.block_until_ready(fn())
+  jax.block_until_ready(fn())
+  ts = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    ts.append(time.perf_counter() - t0)
+  return 1e3 * float(np.median(ts))
+
+
+def inputs(b, t, h, d, seed=0):
+  keys = jax.random.split(jax.random.PRNGKey(seed), 6)
+  nrm = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+  q = nrm(jax.random.normal(keys[0], (b, t, h, d)))
+  k = nrm(jax.random.normal(keys[1], (b, t, h, d)))
+  v = jax.random.normal(keys[2], (b, t, h, d))
+  g = -5.0 * jax.nn.sigmoid(2.0 * jax.random.normal(keys[3], (b, t, h, d))
+                            - 1.0)
+  beta = jax.nn.sigmoid(jax.random.normal(keys[4], (b, t, h)))
+  do = jax.random.normal(keys[5], (b, t, h, d))
+  bf = lambda x: x.astype(jnp.bfloat16)  # noqa: E731
+  return bf(q), bf(k), bf(v), g, beta, bf(do)
+
+
+def profile(x, bounded, block_k, iters, interpret=False):
+  """{kernel name: ms} for one configuration."""
+  q, k, v, g, beta, do = x
+  bsz, _, h, dk = q.shape
+  scale = dk ** -0.5
+  s0 = jnp.zeros((bsz, h, dk, v.shape[-1]), jnp.float32)
+  lay = kp._layout(q, v, block_k)  # pylint: disable=protected-access
+  prep = jax.jit(lambda *a: kp._prepare(*a, lay))  # pylint: disable=protected-access
+  qp, kp_, vp, bp, betap, s0p = prep(q, k, v, g, beta, s0)
+  dop = kp._pad(do, lay["tp"], lay["dv"])  # pylint: disable=protected-access
+  dsfp = jnp.zeros_like(s0p)
+  c = {}
+  f = jax.jit(functools.partial(kp._wu_call, lay=lay, bounded=bounded,  # pylint: disable=protected-access
+                                interpret=interpret))
+  c["prepare (XLA cumsum, pads)"] = _median_ms(
+      lambda: prep(q, k, v, g, beta, s0), iters)
+  c["1 wu (Lk, inverse, W, U)"] = _median_ms(
+      lambda: f(kp_, bp, betap, vp), iters)
+  w, u = f(kp_, bp, betap, vp)
+  f = jax.jit(functools.partial(kp._state_call, lay=lay, interpret=interpret))  # pylint: disable=protected-access
+  c["2 state pass"] = _median_ms(lambda: f(w, u, kp_, bp, s0p), iters)
+  states, v_new, _ = f(w, u, kp_, bp, s0p)
+  f = jax.jit(functools.partial(kp._output_call, lay=lay, scale=scale,  # pylint: disable=protected-access
+                                bounded=bounded, dtype=v.dtype,
+                                interpret=interpret))
+  c["3 output"] = _median_ms(lambda: f(qp, kp_, v_new, bp, states), iters)
+  f = jax.jit(functools.partial(kp._dvintra_call, lay=lay, scale=scale,  # pylint: disable=protected-access
+                                bounded=bounded, interpret=interpret))
+  c["b1 dv_intra"] = _median_ms(lambda: f(qp, kp_, bp, dop), iters)
+  dvi = f(qp, kp_, bp, dop)
+  f = jax.jit(functools.partial(kp._dstate_call, lay=lay, scale=scale,  # pylint: disable=protected-access
+                                interpret=interpret))
+  c["b2 dstate pass"] = _median_ms(
+      lambda: f(qp, kp_, bp, w, dop, dvi, dsfp), iters)
+  dstates, dv_new, _ = f(qp, kp_, bp, w, dop, dvi, dsfp)
+  f = jax.jit(functools.partial(kp._grad_call, lay=lay, scale=scale,  # pylint: disable=protected-access
+                                bounded=bounded, dtype=v.dtype,
+                                interpret=interpret))
+  c["b3 grad"] = _median_ms(lambda: f(
+      qp, kp_, bp, betap, vp, dop, v_new, dv_new, states, dstates), iters)
+
+  g_min = -5.0 if bounded else None
+  run = lambda *a: kp.kda_pallas(  # noqa: E731
+      *a, scale=None, initial_state=None, chunk_size=64, g_min=g_min,
+      bounded=bounded, block_k=block_k, interpret=interpret)
+  fwd = jax.jit(lambda q, k, v, g, beta: run(q, k, v, g, beta)[0])
+
+  @jax.jit
+  def fwd_bwd(q, k, v, g, beta, do):
+    o, vjp = jax.vjp(lambda *a: run(*a)[0], q, k, v, g, beta)
+    return vjp(do)
+
+  c["total fwd"] = _median_ms(lambda: fwd(q, k, v, g, beta), iters)
+  c["total fwd+bwd"] = _median_ms(lambda: fwd_bwd(q, k, v, g, beta, do),
+                                  iters)
+  return c
+
+
+def main(argv):
+  del argv
+  os.makedirs(_OUT.value, exist_ok=True)
+  print(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}  "
+        f"B={_B.value} T={_T.value} H={_H.value} D={_D.value} bf16")
+  x = inputs(_B.value, _T.value, _H.value, _D.value)
+  orig = kp._compiler_params  # pylint: disable=protected-access
+  results = []
+  for warps in (int(w) for w in _WARPS.value):
+    if warps:
+      kp._compiler_params = (  # pylint: disable=protected-access
+          lambda num_warps=4, num_stages=2, _w=warps: orig(_w, num_stages))
+    else:
+      kp._compiler_params = orig  # pylint: disable=protected-access
+    for cfg in _CONFIGS.value:
+      path, block_k = cfg.split(":")
+      name = f"{path} block_k={block_k} warps={warps or 'default'}"
+      try:
+        c = profile(x, path == "bounded", int(block_k), _ITERS.value,
+                    _INTERPRET.value)
+      except Exception as e:  # pylint: disable=broad-except
+        print(f"{name} failed: {type(e).__name__}: {str(e)[:500]}")
+        continue
+      results.append(dict(config=name, ms=c))
+      with open(os.path.join(_OUT.value, "rows.jsonl"), "a") as fh:
+        fh.write(json.dumps(results[-1]) + "\n")
+      print(f"\n{name}\n" + "\n".join(f"  {k:<28} {ms:9.3f} ms"
+                                      for k, ms in c.items()), flush=True)
+  kp._compiler_params = orig  # pylint: disable=protected-access
+
+
+if __name__ == "__main__":
+  app.run(main)

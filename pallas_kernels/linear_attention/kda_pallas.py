@@ -1,0 +1,1021 @@
+"""Chunked KDA as Pallas kernels (Triton lowering): forward and backward.
+
+DESIGN 3.1 / 3.2 / 4. Registered as the "pallas" (GPU) and "interpret" (the
+same kernels interpreted on CPU) backends of `ops.kda`.
+
+KDA (gated delta rule with per-channel decay), per token:
+    S_t = (I - beta_t k_t k_t^T) diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T,
+    o_t = scale * S_t^T q_t.
+Chunked form (chunk C = 64 = 4 tiles of 16, b = within-chunk cumsum of g,
+b_C its last row, S = S_n the state entering chunk n):
+    Lk_ij = sum_d k_id k_jd exp(b_id - b_jd)  (j < i),  L = diag(beta) Lk,
+    M = (I + L)^-1,
+    W = M (beta k exp(b)),  U = M (beta v)             (state-independent)
+    V' = U - W S                                       (delta-rule new values)
+    O = scale * ((q exp(b)) S + Aqk V'),
+        Aqk_ij = sum_d q_id k_jd exp(b_id - b_jd)  (j <= i)
+    S_{n+1} = diag(exp(b_C)) S + (k exp(b_C - b))^T V'.
+
+Two intra-chunk paths (static flag `bounded`, default: bounded iff g_min is
+given, as in gla_pallas):
+  * bounded (g >= g_min, g_min in [G_MIN_LOWEST, 0) = [-5.5, 0)): every 16x16
+    tile of Lk and Aqk, the diagonal tile included, is ONE dense dot
+        (x_i * exp(b_i - c)) @ (k_j * exp(c - b_j))^T
+    anchored at c = b at the FIRST row of the query tile: the query factor is
+    in [exp(-82.5), 1], the key factor <= exp(82.5) on the diagonal tile and
+    <= 1 off it, inside the fp32/bf16 range (~88.7). The triangular mask is
+    applied after the dot with `where`. g below g_min is CLAMPED to g_min
+    (g' = where(g < g_min, g_min, g), the policy of gla_pallas): the op is KDA
+    on the clamped decay and the gradient w.r.t. a clamped entry of g is zero.
+  * unbounded (g_min=None; any g <= 0, no clamp): off-diagonal tiles as above
+    (both factors <= 1 for any g <= 0), diagonal tiles on position pairs,
+    exp(b_i - b_j) with the mask in the exponent (-inf above the diagonal,
+    strictly lower for Lk, inclusive for Aqk) before the exp, as a
+    [16, 16, bk] product reduced over K slices of width bk (default 32).
+The anchor is never later than a valid query row of its tile, so outputs are
+strictly causal even in a partly filled last tile.
+
+Triangular inverse (all dense 16x16 dots, fp32, Precision.HIGHEST so that fp32
+operands use IEEE fp32 on the GPU, not TF32):
+  * diagonal tiles by recursive doubling: X_1 = I and, for s = 1, 2, 4, 8,
+    X_2s = X_s - X_s N_s X_s, where N_s keeps the entries of the strictly lower
+    tile N that lie in the lower-left s x s block of each 2s x 2s diagonal
+    block. This is the block inverse [[A,0],[C,D]]^-1 = [[A^-1,0],[-D^-1 C A^-1,
+    D^-1]] applied to all blocks of one level at once; its intermediates are
+    true sub-inverses, so it is as accurate as forward substitution. The
+    product (I - N)(I + N^2)(I + N^4)(I + N^8), exact in exact arithmetic, is
+    not: N^p grows large and cancels. Measured in fp32 on 64x64 L with near-
+    identical keys, beta ~ 1, g ~ 0 (max error / max|M| vs float64): power
+    product 1.0e-3, doubling 3.2e-7, row-by-row forward substitution 3.0e-7;
+  * off-diagonal tiles of the 64x64 inverse by block forward substitution,
+    M_ij = -M_ii sum_{m=j}^{i-1} L_im M_mj.
+
+Decay cumsum: b, the within-chunk inclusive cumsum of g, is computed ONCE in
+XLA (memory bound, like fla's chunk_local_cumsum) and every kernel reads b,
+not g; b_C is b's last row (loaded, not re-summed). Every kernel thus sees
+the same rounded b and the exponent differences (b_C - b_j, b_i - b_j) are
+consistent: recomputing b_C as sum(g) next to cumsum(g) in the state pass
+cost ~5e-6 relative error on the states and ~1e-5 on dg (measured vs a
+float64 reference); with one b the kernels match the fp32 XLA reference's
+own error (~1e-6).
+
+Forward kernels (they read the caller's [B, T, H, D] layout, T padded to a
+multiple of 64; beta is moved to [B, H, T]):
+  1. `_intra_kernel`, grid (B, H, N), parallel: Lk tiles (summed over K slices
+     of `bk` columns), M, then W [C, K] (slice by slice) and U [C, V] per
+     chunk (stored in the matmul dtype).
+  2. `_state_kernel`, grid (B, H, V/BV): a sequential fori_loop over chunks
+     storing the state ENTERING each chunk [B, H, N, K, V] fp32, the new values
+     V' = U - W S [B, T, H, V] and the final state. Unlike GLA, K is not
+     blocked: W S contracts over all of K (V blocks are independent).
+  3. `_output_kernel`, grid (B, H, N, V/BV), parallel:
+     O = scale * ((q exp(b)) S_n + sum_{j<=i} Aqk_ij V'_j), tile by tile.
+
+Backward (recomputes 1 and 2; nothing O(T*K*V) is kept from the forward).
+With dO the output cotangent and dH_n the gradient w.r.t. the state LEAVING
+chunk n, per chunk (S = S_n, dH = dH_n):
+    dV'     = scale Aqk^T dO + (k exp(b_C - b)) dH
+    dH_{n-1} = diag(exp(b_C)) dH + scale (q exp(b))^T dO - W^T dV'
+    dU'     = M^T dV'                           (= dR_v, R_v = beta v)
+    dL      = -strict_lower(dU' V'^T)           (d(I+L)^-1 = -M dL M, and
+              dM = dV' ((I+L) V')^T since R_v - R_k S = (I+L) V')
+    dR_k    = -dU' S^T                          (R_k = beta k exp(b))
+    dv      = beta dU'
+    dbeta   = rowsum(dL * Lk) + rowsum(dU' * v) + rowsum(dR_k * k exp(b))
+    dAqk    = scale causal(dO V'^T),  dLk = beta dL
+    dq      = scale (dO S^T) exp(b) + [dAqk through Aqk's query side]
+    dk      = [dLk through Lk's row side] + beta dR_k exp(b)     ("+b" terms)
+            + [dAqk, dLk through the key sides] + (V' dH^T) exp(b_C - b)
+                                                                 ("-b" terms)
+    dL/db   = q dq + k (dk_+b - dk_-b),  plus sum_v dH * S_{n+1} at the
+              chunk's last row (exp(b_C) on S and on the k exp(b_C - b) term),
+    dg      = within-chunk reverse cumsum of dL/db (64 terms, not T).
+  dL/db is formed term by term inside the kernel: each tile pair's query-
+  and key-side contributions are multiplied by the same rounded dot operands,
+  so that they cancel in the cumsum as in exact arithmetic (see
+  `_grad_kernel`). Bounded path caveat (as in gla_pallas): the query-side
+  dots of a diagonal tile, dAqk_ii @ (k exp(c - b)), have terms up to
+  |dAqk| |k| exp(15 |g_min|) before the exp(b - c) <= 1 rescale: fp32/bf16
+  overflow needs row sums |dAqk . k| > ~3e38 / exp(15 |g_min|) (~5e2 at
+  g_min = -5.5, ~1e6 at -5).
+Kernels:
+  4. `_dvintra_kernel`, grid (B, H, N, V/BV), parallel: scale Aqk^T dO [C, BV]
+     (the state-independent part of dV').
+  5. `_dstate_kernel`, grid (B, H, V/BV): reverse fori_loop over chunks with
+     the full [K, BV] dH (V blocks are independent, K is not: W^T dV'):
+     stores dH_n [B, H, N, K, V], dV' [B, T, H, V] fp32 and dS_0.
+  6. `_grad_kernel`, grid (B, H, N, V/BV), parallel: recomputes Lk and M
+     (pass 1 over K slices), dU', dv (complete per V block), dL, dAqk, then
+     (pass 2 over K slices) this V block's partial dq, dk, dL/db [C, K] and
+     dbeta [C], summed over V blocks in XLA.
+  XLA: the sums over V blocks, the chunk-end term of dL/db from the stored
+  states, the within-chunk reverse cumsum (memory bound).
+  Launch: 4 warps for the sequential passes and the forward chunk kernels,
+  8 for the two backward chunk kernels (many live tiles; untuned guesses).
+The wrapper pads T with q=k=v=0, g=0, beta=0 (inert: L rows/columns vanish,
+V' = 0, dV' = 0, the state is unchanged) and K to a power of two with zero
+channels, only when needed, and slices back. Dots accumulate in fp32; with
+bf16 inputs the operands of the big dots are bf16 (W, U, V' are stored in
+bf16), while the inverse itself is always fp32.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+try:  # Triton compiler params (jax 0.10 - 0.12); absent -> default params.
+  from jax.experimental.pallas import triton as plgpu_triton
+except ImportError:  # pragma: no cover
+  plgpu_triton = None
+
+from pallas_kernels.linear_attention.gla_pallas import (
+    CHUNK, G_MIN_LOWEST, TILE, GMinError, check_dims, check_g_min)
+from pallas_kernels.linear_attention.reference import chunk_kda_ref
+
+_F32 = jnp.float32
+N_TILES = CHUNK // TILE
+_NN = ((1,), (0,))  # a @ b
+_NT = ((1,), (1,))  # a @ b^T
+_TN = ((0,), (0,))  # a^T @ b
+# K slice width of the bounded path. Narrow slices bound the live [16, bk]
+# fp32 tiles: on an H200 (B1 T32768 H16 D128 bf16, experiments/profile_kda.py)
+# bk=128 gave dv_intra 30.9 ms, grad 77.5 ms, fwd+bwd 121 ms; bk=32 gave
+# 6.3, 37.1 and 56.4 ms (likely register spills at 128; results/kernels.md).
+BLOCK_K = 32
+BLOCK_K_UNBOUNDED = 32   # K slice width, unbounded path ([16, 16, bk] pairs)
+
+__all__ = ["kda_pallas", "register", "GMinError", "G_MIN_LOWEST"]
+
+
+def _compiler_params(num_warps=4, num_stages=2):
+  if plgpu_triton is None:
+    return None
+  return plgpu_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _next_pow2(n):
+  return 1 << (n - 1).bit_length()
+
+
+def _block_v(dv, cap=64):
+  """Largest power of two dividing dv, at most cap (dv is a multiple of 16)."""
+  bv = cap
+  while dv % bv:
+    bv //= 2
+  return bv
+
+
+def _dot(a, b, dims=_NN, mm=_F32):
+  """dot_general with operands cast to mm and fp32 accumulation.
+
+  fp32 operands use Precision.HIGHEST (IEEE fp32, not TF32, on the GPU).
+  """
+  prec = jax.lax.Precision.HIGHEST if mm == _F32 else None
+  return jax.lax.dot_general(a.astype(mm), b.astype(mm), (dims, ((), ())),
+                             precision=prec, preferred_element_type=_F32)
+
+
+def _rows(t):
+  return pl.ds(t * TILE, TILE)
+
+
+def _decay_tiles(b_ref, cols):
+  """Within-chunk decays of one chunk, tile by tile, for the columns `cols`.
+
+  b_ref holds b, the within-chunk inclusive cumsum of g (computed once in
+  XLA, so that every kernel sees the same rounded b and exponent differences
+  such as b_C - b_j are consistent across kernels). Returns b_tiles (4 x
+  [16, w] fp32), anchors (4 x [1, w]: b at the first row of each tile) and
+  b_C [w] (the chunk's last row, taken as a masked sum: exact).
+  """
+  b_tiles = [b_ref[_rows(t), cols].astype(_F32) for t in range(N_TILES)]
+  anchors = [b_ref[pl.ds(t * TILE, 1), cols].astype(_F32)
+             for t in range(N_TILES)]
+  last = jax.lax.broadcasted_iota(jnp.int32, b_tiles[-1].shape, 0) == TILE - 1
+  b_last = jnp.sum(jnp.where(last, b_tiles[-1], 0.0), axis=0)
+  return b_tiles, anchors, b_last
+
+
+def _chunk_decay(b_ref, rows):
+  """b [C, w] of the chunk at `rows` and its last row b_C [w] (exact)."""
+  b = b_ref[rows, :].astype(_F32)
+  last = jax.lax.broadcasted_iota(jnp.int32, b.shape, 0) == CHUNK - 1
+  return b, jnp.sum(jnp.where(last, b, 0.0), axis=0)
+
+
+def _tile_iota():
+  row = jax.lax.broadcasted_iota(jnp.int32, (TILE, TILE), 0)
+  col = jax.lax.broadcasted_iota(jnp.int32, (TILE, TILE), 1)
+  return row, col
+
+
+def _pair_decay(b_t, mask):
+  """exp(b_i - b_j) on the position pairs of one tile [16, 16, w].
+
+  The mask goes into the exponent (-inf where masked) BEFORE the exp: above
+  the diagonal b_i - b_j >= 0 is unbounded and exp would overflow.
+  """
+  diff = b_t[:, None, :] - b_t[None, :, :]
+  return jnp.exp(jnp.where(mask[:, :, None], diff, -jnp.inf))
+
+
+def _slice_scores(x_t, y_t, b, c, mask, bounded, mm):
+  """One K slice's part of P_ij = sum_d x_id y_jd exp(b_id - b_jd), j <= i.
+
+  x_t, y_t, b: 4 x [16, w] fp32 tiles; c: 4 x [1, w] anchors. Returns
+  {(i, j): [16, 16]}. Dense tiles are anchored at c_i (query factor <= 1; key
+  factor <= 1 off the diagonal); the diagonal tile of the unbounded path is
+  computed on position pairs with `mask` in the exponent. The caller masks
+  the diagonal tiles of the bounded path (after summing the slices).
+  """
+  out = {}
+  for i in range(N_TILES):
+    x_dec = x_t[i] * jnp.exp(b[i] - c[i])                     # <= 1
+    for j in range(i + 1):
+      if j == i and not bounded:
+        out[i, i] = jnp.sum(x_t[i][:, None, :] * y_t[i][None, :, :]
+                            * _pair_decay(b[i], mask), axis=-1)
+      else:
+        out[i, j] = _dot(x_dec, y_t[j] * jnp.exp(c[i] - b[j]), _NT, mm)
+  return out
+
+
+def _accumulate(acc, part):
+  for ij, p in part.items():
+    acc[ij] = p if ij not in acc else acc[ij] + p
+  return acc
+
+
+def _inv_unit_lower_tile(n, row, col):
+  """(I + N)^-1 for one strictly lower [16, 16] fp32 tile, recursive doubling.
+
+  X_1 = I; X_2s = X_s - X_s N_s X_s with N_s the part of N in the lower-left
+  s x s block of each 2s x 2s diagonal block (see the module docstring).
+  """
+  x = jnp.where(row == col, 1.0, 0.0).astype(_F32)
+  s, p = 1, 0
+  while s < TILE:
+    rb, cb = jnp.right_shift(row, p), jnp.right_shift(col, p)  # s-block ids
+    off = (jnp.bitwise_and(rb, 1) == 1) & (cb == rb - 1)
+    n_s = jnp.where(off, n, 0.0)
+    x = x - _dot(_dot(x, n_s), x)
+    s, p = 2 * s, p + 1
+  return x
+
+
+def _inverse_tiles(lt, row, col):
+  """M = (I + L)^-1 tile by tile (fp32) for L given as {(i, j): [16, 16]}."""
+  mt = {}
+  for i in range(N_TILES):
+    mt[i, i] = _inv_unit_lower_tile(lt[i, i], row, col)
+    for j in range(i):
+      acc = _dot(lt[i, j], mt[j, j])
+      for m in range(j + 1, i):
+        acc = acc + _dot(lt[i, m], mt[m, j])
+      mt[i, j] = -_dot(mt[i, i], acc)
+  return mt
+
+
+def _beta_tiles(beta_ref):
+  """beta of the chunk as 4 x [16, 1] fp32 columns."""
+  return [jax.lax.broadcast_in_dim(beta_ref[_rows(t)].astype(_F32),
+                                   (TILE, 1), (0,)) for t in range(N_TILES)]
+
+
+def _lk_tiles(k_ref, b_ref, k_slices, bounded, mm):
+  """Lk tiles (strictly lower, without beta), summed over the K slices."""
+  row, col = _tile_iota()
+  strict = row > col
+  lk = {}
+  for cols in k_slices:
+    b, c, _ = _decay_tiles(b_ref, cols)
+    k_t = [k_ref[_rows(t), cols].astype(_F32) for t in range(N_TILES)]
+    _accumulate(lk, _slice_scores(k_t, k_t, b, c, strict, bounded, mm))
+  for i in range(N_TILES):
+    lk[i, i] = jnp.where(strict, lk[i, i], 0.0)
+  return lk
+
+
+def _k_slices(d, bk):
+  return [pl.ds(kk * bk, bk) for kk in range(d // bk)]
+
+
+# ---------------------------------------------------------------------------
+# Kernel 1: W and U per chunk, parallel over chunks.
+# ---------------------------------------------------------------------------
+
+
+def _intra_kernel(k_ref, b_ref, beta_ref, v_ref, w_ref, u_ref, *, bk, bv,
+                  bounded, mm):
+  # k_ref, b_ref, w_ref [C, Kp]; beta_ref [C]; v_ref, u_ref [C, V].
+  row, col = _tile_iota()
+  beta_t = _beta_tiles(beta_ref)
+  k_slices = _k_slices(k_ref.shape[-1], bk)
+  lk = _lk_tiles(k_ref, b_ref, k_slices, bounded, mm)
+  mt = _inverse_tiles({(i, j): beta_t[i] * l for (i, j), l in lk.items()},
+                      row, col)
+
+  # W = M (beta k exp(b)), slice by slice of K.
+  for cols in k_slices:
+    b, _, _ = _decay_tiles(b_ref, cols)
+    rk = [beta_t[j] * k_ref[_rows(j), cols].astype(_F32) * jnp.exp(b[j])
+          for j in range(N_TILES)]
+    for i in range(N_TILES):
+      w = _dot(mt[i, 0], rk[0], mm=mm)
+      for j in range(1, i + 1):
+        w = w + _dot(mt[i, j], rk[j], mm=mm)
+      w_ref[_rows(i), cols] = w.astype(w_ref.dtype)
+
+  # U = M (beta v), V in blocks of bv columns (power-of-two loads).
+  for cv in range(0, v_ref.shape[-1], bv):
+    cols = pl.ds(cv, bv)
+    rv = [beta_t[j] * v_ref[_rows(j), cols].astype(_F32)
+          for j in range(N_TILES)]
+    for i in range(N_TILES):
+      u = _dot(mt[i, 0], rv[0], mm=mm)
+      for j in range(1, i + 1):
+        u = u + _dot(mt[i, j], rv[j], mm=mm)
+      u_ref[_rows(i), cols] = u.astype(u_ref.dtype)
+
+
+# ---------------------------------------------------------------------------
+# Kernel 2: sequential state pass (and the new values V').
+# ---------------------------------------------------------------------------
+
+
+def _state_kernel(w_ref, u_ref, k_ref, b_ref, s0_ref, states_ref, vnew_ref,
+                  sfin_ref, *, n_chunks, mm):
+  # w_ref, k_ref, b_ref [Tp, Kp]; u_ref, vnew_ref [Tp, BV]; s0_ref, sfin_ref
+  # [Kp, BV]; states_ref [N, Kp, BV].
+  def body(n, s):
+    states_ref[n] = s
+    rows = pl.ds(n * CHUNK, CHUNK)
+    # V' = U - W S needs all of K: the state block is [K, BV].
+    v_new = u_ref[rows, :].astype(_F32) - _dot(w_ref[rows, :], s, mm=mm)
+    vnew_ref[rows, :] = v_new.astype(vnew_ref.dtype)
+    b, b_last = _chunk_decay(b_ref, rows)            # [C, K], [K]
+    k_dec = k_ref[rows, :].astype(_F32) * jnp.exp(b_last[None, :] - b)
+    return jnp.exp(b_last)[:, None] * s + _dot(k_dec, v_new, _TN, mm)
+
+  s = jax.lax.fori_loop(0, n_chunks, body, s0_ref[...].astype(_F32))
+  sfin_ref[...] = s
+
+
+# ---------------------------------------------------------------------------
+# Kernel 3: outputs, parallel over chunks.
+# ---------------------------------------------------------------------------
+
+
+def _aqk_tiles(q_ref, k_ref, b_ref, k_slices, bounded, mm, inter=None):
+  """Aqk tiles (causal), summed over K slices.
+
+  inter: optional (s_ref, acc) to also accumulate (q exp(b)) S per query
+  tile in the same walk over K (acc: list of 4, filled in place).
+  """
+  row, col = _tile_iota()
+  causal = row >= col
+  aqk = {}
+  for cols in k_slices:
+    b, c, _ = _decay_tiles(b_ref, cols)
+    q_t = [q_ref[_rows(t), cols].astype(_F32) for t in range(N_TILES)]
+    k_t = [k_ref[_rows(t), cols].astype(_F32) for t in range(N_TILES)]
+    if inter is not None:
+      s_ref, acc = inter
+      s = s_ref[cols, :]
+      for i in range(N_TILES):
+        part = _dot(q_t[i] * jnp.exp(b[i]), s, mm=mm)     # (q exp(b)) S
+        acc[i] = part if acc[i] is None else acc[i] + part
+    _accumulate(aqk, _slice_scores(q_t, k_t, b, c, causal, bounded, mm))
+  for i in range(N_TILES):
+    # where, not a product: masked overflow cannot leak.
+    aqk[i, i] = jnp.where(causal, aqk[i, i], 0.0)
+  return aqk
+
+
+def _output_kernel(q_ref, k_ref, vnew_ref, b_ref, s_ref, o_ref, *, scale,
+                   bk, bounded, mm):
+  # q_ref, k_ref, b_ref [C, Kp]; vnew_ref, o_ref [C, BV]; s_ref [Kp, BV].
+  acc = [None] * N_TILES                      # [16, BV] per query tile
+  aqk = _aqk_tiles(q_ref, k_ref, b_ref, _k_slices(q_ref.shape[-1], bk),
+                   bounded, mm, inter=(s_ref, acc))
+  for i in range(N_TILES):
+    out = acc[i]
+    for j in range(i + 1):
+      out = out + _dot(aqk[i, j], vnew_ref[_rows(j), :], mm=mm)
+    o_ref[_rows(i), :] = (scale * out).astype(o_ref.dtype)
+
+
+# ---------------------------------------------------------------------------
+# Backward kernels.
+# ---------------------------------------------------------------------------
+
+
+def _dvintra_kernel(q_ref, k_ref, b_ref, do_ref, out_ref, *, scale, bk,
+                    bounded, mm):
+  # q_ref, k_ref, b_ref [C, Kp]; do_ref, out_ref [C, BV]: scale Aqk^T dO.
+  aqk = _aqk_tiles(q_ref, k_ref, b_ref, _k_slices(q_ref.shape[-1], bk),
+                   bounded, mm)
+  dos = [do_ref[_rows(i), :] for i in range(N_TILES)]
+  for j in range(N_TILES):
+    out = _dot(aqk[j, j], dos[j], _TN, mm)
+    for i in range(j + 1, N_TILES):
+      out = out + _dot(aqk[i, j], dos[i], _TN, mm)
+    out_ref[_rows(j), :] = scale * out
+
+
+def _dstate_kernel(q_ref, k_ref, b_ref, w_ref, do_ref, dvi_ref, dsfin_ref,
+                   dstates_ref, dvnew_ref, ds0_ref, *, n_chunks, scale, mm):
+  # q_ref, k_ref, b_ref, w_ref [Tp, Kp]; do_ref, dvi_ref, dvnew_ref [Tp, BV];
+  # dsfin_ref, ds0_ref [Kp, BV]; dstates_ref [N, Kp, BV] (grad wrt the state
+  # LEAVING each chunk).
+  def body(r, dh):
+    n = n_chunks - 1 - r
+    dstates_ref[n] = dh
+    rows = pl.ds(n * CHUNK, CHUNK)
+    b, b_last = _chunk_decay(b_ref, rows)            # [C, K], [K]
+    k_dec = k_ref[rows, :].astype(_F32) * jnp.exp(b_last[None, :] - b)
+    dv_new = dvi_ref[rows, :] + _dot(k_dec, dh, mm=mm)     # dV' [C, BV]
+    dvnew_ref[rows, :] = dv_new
+    q_dec = q_ref[rows, :].astype(_F32) * jnp.exp(b)
+    return (jnp.exp(b_last)[:, None] * dh
+            + scale * _dot(q_dec, do_ref[rows, :], _TN, mm)
+            - _dot(w_ref[rows, :], dv_new, _TN, mm))
+
+  ds0_ref[...] = jax.lax.fori_loop(0, n_chunks, body,
+                                   dsfin_ref[...].astype(_F32))
+
+
+def _grad_kernel(q_ref, k_ref, b_ref, beta_ref, v_ref, do_ref, vn_ref,
+                 dvn_ref, s_ref, dh_ref, dq_ref, dk_ref, db_ref, dv_ref,
+                 dbeta_ref, *, scale, bk, bounded, mm):
+  # q_ref, k_ref, b_ref [C, Kp]; beta_ref [C]; v_ref, do_ref, vn_ref (V'),
+  # dvn_ref (dV'), dv_ref [C, BV]; s_ref (state entering), dh_ref (grad of
+  # the state leaving) [Kp, BV]; dq_ref, dk_ref, db_ref [C, Kp] and
+  # dbeta_ref [C], fp32: this V block's partial sums.
+  row, col = _tile_iota()
+  causal, strict = row >= col, row > col
+  beta_t = _beta_tiles(beta_ref)
+  k_slices = _k_slices(q_ref.shape[-1], bk)
+
+  # Pass 1 over K: Lk, then M = (I + beta Lk)^-1.
+  lk = _lk_tiles(k_ref, b_ref, k_slices, bounded, mm)
+  mt = _inverse_tiles({(i, j): beta_t[i] * l for (i, j), l in lk.items()},
+                      row, col)
+
+  dvn = [dvn_ref[_rows(i), :] for i in range(N_TILES)]
+  vn = [vn_ref[_rows(i), :] for i in range(N_TILES)]
+  dos = [do_ref[_rows(i), :] for i in range(N_TILES)]
+  # dU' = M^T dV' (M lower: tile j sums i >= j); dv = beta dU'.
+  du, dbeta = [], []
+  for j in range(N_TILES):
+    acc = _dot(mt[j, j], dvn[j], _TN, mm)
+    for i in range(j + 1, N_TILES):
+      acc = acc + _dot(mt[i, j], dvn[i], _TN, mm)
+    du.append(acc)
+    dv_ref[_rows(j), :] = (beta_t[j] * acc).astype(dv_ref.dtype)
+    dbeta.append(jnp.sum(acc * v_ref[_rows(j), :].astype(_F32), axis=1))
+  # dL = -strict(dU' V'^T), dLk = beta dL; dAqk = scale causal(dO V'^T).
+  dlk, da = {}, {}
+  for i in range(N_TILES):
+    for j in range(i + 1):
+      dl = -_dot(du[i], vn[j], _NT, mm)
+      d_a = scale * _dot(dos[i], vn[j], _NT, mm)
+      if j == i:
+        dl = jnp.where(strict, dl, 0.0)
+        d_a = jnp.where(causal, d_a, 0.0)
+      dbeta[i] = dbeta[i] + jnp.sum(dl * lk[i, j], axis=1)
+      dlk[i, j] = beta_t[i] * dl
+      da[i, j] = d_a
+
+  # Pass 2 over K: this slice's dq, dk, dL/db. dL/db = q dq + k (dk_+b -
+  # dk_-b), formed term by term: a tile pair's contribution to the query
+  # side and to the key side is multiplied by the SAME rounded dot operands
+  # (x_dec, y_dec in the matmul dtype), so that the two sides cancel in the
+  # within-chunk reverse cumsum as exactly as they do in exact arithmetic
+  # (q dq and k dk computed separately leave bf16-rounding residues: bounded
+  # path, bf16, T=130, K=V=32: dg relative error 1.7e-2 instead of 4.0e-3).
+  for cols in k_slices:
+    b, c, b_last = _decay_tiles(b_ref, cols)
+    s, dh = s_ref[cols, :], dh_ref[cols, :]
+    q_t = [q_ref[_rows(t), cols].astype(_F32) for t in range(N_TILES)]
+    k_t = [k_ref[_rows(t), cols].astype(_F32) for t in range(N_TILES)]
+    dq, dk_pos = [None] * N_TILES, [None] * N_TILES  # "+b" factors
+    dk_neg, db_neg = [None] * N_TILES, [None] * N_TILES  # "-b" factors
+    db_pos = [None] * N_TILES
+    for j in range(N_TILES):   # k exp(b_C - b) on S_{n+1}
+      t_end = _dot(vn[j], dh, _NT, mm) * jnp.exp(b_last[None, :] - b[j])
+      dk_neg[j], db_neg[j] = t_end, k_t[j] * t_end
+    for i in range(N_TILES):
+      eb = jnp.exp(b[i])
+      dq_i = scale * _dot(dos[i], s, _NT, mm) * eb         # (q exp(b)) S
+      d_rk = -_dot(du[i], s, _NT, mm)                       # dR_k rows
+      k_eb = k_t[i] * eb
+      dbeta[i] = dbeta[i] + jnp.sum(d_rk * k_eb, axis=1)
+      dk_i = beta_t[i] * d_rk * eb
+      db_i = q_t[i] * dq_i + beta_t[i] * d_rk * k_eb
+      x_scale = jnp.exp(b[i] - c[i])                        # <= 1
+      q_dec = (q_t[i] * x_scale).astype(mm)
+      k_dec = (k_t[i] * x_scale).astype(mm)
+      acc_q = acc_k = None
+      for j in range(i + 1):
+        if j == i and not bounded:
+          pd = _pair_decay(b[i], causal)                    # [16, 16, w]
+          pk = pd * k_t[i][None, :, :]
+          p_q = jnp.sum(da[i, i][:, :, None] * pk, axis=1)
+          p_k = jnp.sum(dlk[i, i][:, :, None] * pk, axis=1)
+          p_n = jnp.sum(pd * (da[i, i][:, :, None] * q_t[i][:, None, :]
+                              + dlk[i, i][:, :, None] * k_t[i][:, None, :]),
+                        axis=0)
+          dq_i, dk_i = dq_i + p_q, dk_i + p_k
+          db_i = db_i + q_t[i] * p_q + k_t[i] * p_k
+          dk_neg[i] = dk_neg[i] + p_n
+          db_neg[i] = db_neg[i] + k_t[i] * p_n
+          continue
+        y_scale = jnp.exp(c[i] - b[j])          # <= 1 off the diagonal
+        y_dec = (k_t[j] * y_scale).astype(mm)
+        t_q = _dot(da[i, j], y_dec, _NN, mm)
+        t_k = _dot(dlk[i, j], y_dec, _NN, mm)
+        acc_q = t_q if acc_q is None else acc_q + t_q
+        acc_k = t_k if acc_k is None else acc_k + t_k
+        t_n = _dot(da[i, j], q_dec, _TN, mm) + _dot(dlk[i, j], k_dec, _TN, mm)
+        dk_neg[j] = dk_neg[j] + t_n * y_scale
+        db_neg[j] = db_neg[j] + t_n * y_dec.astype(_F32)
+      if acc_q is not None:
+        dq_i = dq_i + acc_q * x_scale
+        dk_i = dk_i + acc_k * x_scale
+        db_i = (db_i + acc_q * q_dec.astype(_F32)
+                + acc_k * k_dec.astype(_F32))
+      dq[i], dk_pos[i], db_pos[i] = dq_i, dk_i, db_i
+    for i in range(N_TILES):
+      dq_ref[_rows(i), cols] = dq[i]
+      dk_ref[_rows(i), cols] = dk_pos[i] + dk_neg[i]
+      db_ref[_rows(i), cols] = db_pos[i] - db_neg[i]
+  for i in range(N_TILES):
+    dbeta_ref[_rows(i)] = dbeta[i]
+
+
+# ---------------------------------------------------------------------------
+# Wrappers.
+# ---------------------------------------------------------------------------
+
+
+def _pad(x, tp, d_pad):
+  """[B, T, H, D] -> [B, Tp, H, D_pad], zero padded (a no-op when aligned)."""
+  t, d = x.shape[1], x.shape[3]
+  if tp == t and d_pad == d:
+    return x
+  return jnp.pad(x, ((0, 0), (0, tp - t), (0, 0), (0, d_pad - d)))
+
+
+def _chunk_spec(d):
+  """One chunk of a [B, Tp, H, D] array, all of D; grid (B, H, N)."""
+  return pl.BlockSpec((None, CHUNK, None, d), lambda b, h, n: (b, n, h, 0))
+
+
+def _chunk_spec4(d, v_blocked):
+  """One chunk of a [B, Tp, H, D] array; grid (B, H, N, V blocks)."""
+  if v_blocked:
+    return pl.BlockSpec((None, CHUNK, None, d),
+                        lambda b, h, n, j: (b, n, h, j))
+  return pl.BlockSpec((None, CHUNK, None, d), lambda b, h, n, j: (b, n, h, 0))
+
+
+def _state_spec4(kp, bv):
+  """The [Kp, BV] state of chunk n in [B, H, N, Kp, V]; grid (B, H, N, j)."""
+  return pl.BlockSpec((None, None, None, kp, bv),
+                      lambda b, hh, n, j: (b, hh, n, 0, j))
+
+
+def _beta_spec4():
+  """One chunk of beta [B, H, Tp]; grid (B, H, N, V blocks)."""
+  return pl.BlockSpec((None, None, CHUNK), lambda b, hh, n, j: (b, hh, n))
+
+
+def _layout(q, v, block_k):
+  bsz, t, h, dk = q.shape
+  dv = v.shape[-1]
+  tp = -(-t // CHUNK) * CHUNK
+  kp = _next_pow2(dk)
+  bv = _block_v(dv)
+  return dict(bsz=bsz, t=t, h=h, dk=dk, dv=dv, tp=tp, n_chunks=tp // CHUNK,
+              kp=kp, bk=min(kp, block_k), bv=bv, nv=dv // bv,
+              mm=jnp.bfloat16 if v.dtype == jnp.bfloat16 else _F32)
+
+
+def _prepare(q, k, v, g, beta, s0, lay):
+  tp, kp, dk = lay["tp"], lay["kp"], lay["dk"]
+  qp, kp_, gp = (_pad(x, tp, kp) for x in (q, k, g.astype(_F32)))
+  # b: the within-chunk inclusive cumsum of g, once for all kernels.
+  bsz, h = lay["bsz"], lay["h"]
+  bp = jnp.cumsum(gp.reshape(bsz, lay["n_chunks"], CHUNK, h, kp),
+                  axis=2).reshape(bsz, tp, h, kp)
+  vp = _pad(v, tp, lay["dv"])
+  betap = jnp.pad(jnp.transpose(beta.astype(_F32), (0, 2, 1)),
+                  ((0, 0), (0, 0), (0, tp - lay["t"])))       # [B, H, Tp]
+  s0p = jnp.pad(s0.astype(_F32), ((0, 0), (0, 0), (0, kp - dk), (0, 0)))
+  return qp, kp_, vp, bp, betap, s0p
+
+
+def _wu_call(kp_, bp, betap, vp, lay, bounded, interpret):
+  """Kernel 1: W [B, Tp, H, Kp] and U [B, Tp, H, V] (matmul dtype)."""
+  bsz, h, tp, kp, dv = lay["bsz"], lay["h"], lay["tp"], lay["kp"], lay["dv"]
+  n_chunks, bv, mm = lay["n_chunks"], lay["bv"], lay["mm"]
+  return pl.pallas_call(
+      functools.partial(_intra_kernel, bk=lay["bk"], bv=bv, bounded=bounded,
+                        mm=mm),
+      grid=(bsz, h, n_chunks),
+      in_specs=[
+          _chunk_spec(kp), _chunk_spec(kp),
+          pl.BlockSpec((None, None, CHUNK), lambda b, hh, n: (b, hh, n)),
+          _chunk_spec(dv),
+      ],
+      out_specs=[_chunk_spec(kp), _chunk_spec(dv)],
+      out_shape=[
+          jax.ShapeDtypeStruct((bsz, tp, h, kp), mm),
+          jax.ShapeDtypeStruct((bsz, tp, h, dv), mm),
+      ],
+      compiler_params=_compiler_params(num_warps=4, num_stages=2),
+      interpret=interpret,
+      name="kda_chunk_wu",
+  )(kp_, bp, betap, vp)
+
+
+def _state_call(w, u, kp_, bp, s0p, lay, interpret):
+  """Kernel 2: states entering each chunk, V', the final state."""
+  bsz, h, tp, kp, dv = lay["bsz"], lay["h"], lay["tp"], lay["kp"], lay["dv"]
+  n_chunks, bv, mm = lay["n_chunks"], lay["bv"], lay["mm"]
+  seq_k = pl.BlockSpec((None, tp, None, kp), lambda b, hh, j: (b, 0, hh, 0))
+  seq_v = pl.BlockSpec((None, tp, None, bv), lambda b, hh, j: (b, 0, hh, j))
+  state = pl.BlockSpec((None, None, kp, bv), lambda b, hh, j: (b, hh, 0, j))
+  return pl.pallas_call(
+      functools.partial(_state_kernel, n_chunks=n_chunks, mm=mm),
+      grid=(bsz, h, lay["nv"]),
+      in_specs=[seq_k, seq_v, seq_k, seq_k, state],
+      out_specs=[
+          pl.BlockSpec((None, None, n_chunks, kp, bv),
+                       lambda b, hh, j: (b, hh, 0, 0, j)),
+          seq_v,
+          state,
+      ],
+      out_shape=[
+          jax.ShapeDtypeStruct((bsz, h, n_chunks, kp, dv), _F32),
+          jax.ShapeDtypeStruct((bsz, tp, h, dv), mm),
+          jax.ShapeDtypeStruct((bsz, h, kp, dv), _F32),
+      ],
+      compiler_params=_compiler_params(num_warps=4, num_stages=2),
+      interpret=interpret,
+      name="kda_state_pass",
+  )(w, u, kp_, bp, s0p)
+
+
+def _recompute(kp_, vp, bp, betap, s0p, lay, bounded, interpret):
+  """Kernels 1 and 2: W, U, the states entering each chunk, V', final state."""
+  w, u = _wu_call(kp_, bp, betap, vp, lay, bounded, interpret)
+  states, v_new, s_final = _state_call(w, u, kp_, bp, s0p, lay, interpret)
+  return w, u, states, v_new, s_final
+
+
+def _output_call(qp, kp_, v_new, bp, states, lay, scale, bounded, dtype,
+                 interpret):
+  """Kernel 3: O [B, Tp, H, V] in dtype."""
+  bsz, h, tp, kp, dv, bv = (lay[n] for n in ("bsz", "h", "tp", "kp", "dv",
+                                             "bv"))
+  return pl.pallas_call(
+      functools.partial(_output_kernel, scale=scale, bk=lay["bk"],
+                        bounded=bounded, mm=lay["mm"]),
+      grid=(bsz, h, lay["n_chunks"], lay["nv"]),
+      in_specs=[
+          _chunk_spec4(kp, False), _chunk_spec4(kp, False),
+          _chunk_spec4(bv, True), _chunk_spec4(kp, False),
+          _state_spec4(kp, bv),
+      ],
+      out_specs=_chunk_spec4(bv, True),
+      out_shape=jax.ShapeDtypeStruct((bsz, tp, h, dv), dtype),
+      compiler_params=_compiler_params(num_warps=4, num_stages=2),
+      interpret=interpret,
+      name="kda_chunk_output",
+  )(qp, kp_, v_new, bp, states)
+
+
+def _dvintra_call(qp, kp_, bp, dop, lay, scale, bounded, interpret):
+  """scale Aqk^T dO [B, Tp, H, V] fp32: the state-independent part of dV'."""
+  bsz, h, tp, kp, dv, bv, nv, n_chunks, mm = (
+      lay[n] for n in ("bsz", "h", "tp", "kp", "dv", "bv", "nv", "n_chunks",
+                       "mm"))
+  grid4 = (bsz, h, n_chunks, nv)
+  return pl.pallas_call(
+      functools.partial(_dvintra_kernel, scale=scale, bk=lay["bk"],
+                        bounded=bounded, mm=mm),
+      grid=grid4,
+      in_specs=[_chunk_spec4(kp, False), _chunk_spec4(kp, False),
+                _chunk_spec4(kp, False), _chunk_spec4(bv, True)],
+      out_specs=_chunk_spec4(bv, True),
+      out_shape=jax.ShapeDtypeStruct((bsz, tp, h, dv), _F32),
+      compiler_params=_compiler_params(num_warps=8, num_stages=2),
+      interpret=interpret,
+      name="kda_chunk_dv_intra",
+  )(qp, kp_, bp, dop)
+
+
+def _dstate_call(qp, kp_, bp, w, dop, dv_intra, dsfp, lay, scale, interpret):
+  """Reverse pass over chunks: dH_n [B, H, N, Kp, V], dV', dS_0."""
+  bsz, h, tp, kp, dv, bv, nv, n_chunks, mm = (
+      lay[n] for n in ("bsz", "h", "tp", "kp", "dv", "bv", "nv", "n_chunks",
+                       "mm"))
+  seq_k = pl.BlockSpec((None, tp, None, kp), lambda b, hh, j: (b, 0, hh, 0))
+  seq_v = pl.BlockSpec((None, tp, None, bv), lambda b, hh, j: (b, 0, hh, j))
+  state = pl.BlockSpec((None, None, kp, bv), lambda b, hh, j: (b, hh, 0, j))
+  return pl.pallas_call(
+      functools.partial(_dstate_kernel, n_chunks=n_chunks, scale=scale,
+                        mm=mm),
+      grid=(bsz, h, nv),
+      in_specs=[seq_k, seq_k, seq_k, seq_k, seq_v, seq_v, state],
+      out_specs=[
+          pl.BlockSpec((None, None, n_chunks, kp, bv),
+                       lambda b, hh, j: (b, hh, 0, 0, j)),
+          seq_v,
+          state,
+      ],
+      out_shape=[
+          jax.ShapeDtypeStruct((bsz, h, n_chunks, kp, dv), _F32),
+          jax.ShapeDtypeStruct((bsz, tp, h, dv), _F32),
+          jax.ShapeDtypeStruct((bsz, h, kp, dv), _F32),
+      ],
+      compiler_params=_compiler_params(num_warps=4, num_stages=2),
+      interpret=interpret,
+      name="kda_dstate_pass",
+  )(qp, kp_, bp, w, dop, dv_intra, dsfp)
+
+
+def _grad_call(qp, kp_, bp, betap, vp, dop, v_new, dv_new, states, dstates,
+               lay, scale, bounded, dtype, interpret):
+  """Per chunk and V block: dv and partial dq, dk, dL/db, dbeta."""
+  bsz, h, tp, kp, dv, bv, nv, n_chunks, mm = (
+      lay[n] for n in ("bsz", "h", "tp", "kp", "dv", "bv", "nv", "n_chunks",
+                       "mm"))
+  grid4 = (bsz, h, n_chunks, nv)
+  part = pl.BlockSpec((None, None, CHUNK, None, kp),
+                      lambda b, hh, n, j: (j, b, n, hh, 0))
+  return pl.pallas_call(
+      functools.partial(_grad_kernel, scale=scale, bk=lay["bk"],
+                        bounded=bounded, mm=mm),
+      grid=grid4,
+      in_specs=[_chunk_spec4(kp, False), _chunk_spec4(kp, False),
+                _chunk_spec4(kp, False), _beta_spec4(),
+                _chunk_spec4(bv, True), _chunk_spec4(bv, True),
+                _chunk_spec4(bv, True), _chunk_spec4(bv, True),
+                _state_spec4(kp, bv), _state_spec4(kp, bv)],
+      out_specs=[part, part, part, _chunk_spec4(bv, True),
+                 pl.BlockSpec((None, None, None, CHUNK),
+                              lambda b, hh, n, j: (j, b, hh, n))],
+      out_shape=[
+          jax.ShapeDtypeStruct((nv, bsz, tp, h, kp), _F32),
+          jax.ShapeDtypeStruct((nv, bsz, tp, h, kp), _F32),
+          jax.ShapeDtypeStruct((nv, bsz, tp, h, kp), _F32),
+          jax.ShapeDtypeStruct((bsz, tp, h, dv), dtype),
+          jax.ShapeDtypeStruct((nv, bsz, h, tp), _F32),
+      ],
+      compiler_params=_compiler_params(num_warps=8, num_stages=2),
+      interpret=interpret,
+      name="kda_chunk_grad",
+  )(qp, kp_, bp, betap, vp, dop, v_new, dv_new, states, dstates)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_k", "bounded",
+                                             "interpret"))
+def _kda_fwd_impl(q, k, v, g, beta, s0, *, scale, block_k, bounded,
+                  interpret):
+  """q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; s0 [B, H, K, V].
+
+  The kernels read the caller's [B, T, H, D] layout (no transposes); beta is
+  moved to [B, H, Tp] so that a chunk of it is one contiguous row.
+  """
+  lay = _layout(q, v, block_k)
+  qp, kp_, vp, bp, betap, s0p = _prepare(q, k, v, g, beta, s0, lay)
+  _, _, states, v_new, s_final = _recompute(kp_, vp, bp, betap, s0p, lay,
+                                            bounded, interpret)
+  o = _output_call(qp, kp_, v_new, bp, states, lay, scale, bounded, v.dtype,
+                   interpret)
+  return o[:, :lay["t"]], s_final[:, :, :lay["dk"]]
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_k", "bounded",
+                                             "interpret"))
+def _kda_bwd_impl(q, k, v, g, beta, s0, do, ds_final, *, scale, block_k,
+                  bounded, interpret):
+  """(dq, dk, dv, dg, dbeta, ds0) given do [B,T,H,V], ds_final [B,H,K,V]."""
+  lay = _layout(q, v, block_k)
+  bsz, h, t, tp, dk, kp, dv, n_chunks = (
+      lay[n] for n in ("bsz", "h", "t", "tp", "dk", "kp", "dv", "n_chunks"))
+  qp, kp_, vp, bp, betap, s0p = _prepare(q, k, v, g, beta, s0, lay)
+  dop = _pad(do.astype(v.dtype), tp, dv)
+  dsfp = jnp.pad(ds_final.astype(_F32),
+                 ((0, 0), (0, 0), (0, kp - dk), (0, 0)))
+  w, _, states, v_new, s_final = _recompute(kp_, vp, bp, betap, s0p, lay,
+                                            bounded, interpret)
+  dv_intra = _dvintra_call(qp, kp_, bp, dop, lay, scale, bounded, interpret)
+  dstates, dv_new, ds0 = _dstate_call(qp, kp_, bp, w, dop, dv_intra, dsfp, lay,
+                                      scale, interpret)
+  dq_p, dk_p, db_p, dvp, dbeta_p = _grad_call(
+      qp, kp_, bp, betap, vp, dop, v_new, dv_new, states, dstates, lay, scale,
+      bounded, v.dtype, interpret)
+
+  dq = jnp.sum(dq_p, axis=0)
+  dk_ = jnp.sum(dk_p, axis=0)
+  d_b = jnp.sum(db_p, axis=0)                                 # [B, Tp, H, Kp]
+  # Chunk-end term: exp(b_C) on S_n and on k exp(b_C - b) feed S_{n+1}:
+  # sum_v dH_n * S_{n+1} at the chunk's last row.
+  s_next = jnp.concatenate([states[:, :, 1:], s_final[:, :, None]], axis=2)
+  d_end = jnp.sum(dstates * s_next, axis=-1)                  # [B, H, N, Kp]
+  d_b = d_b.reshape(bsz, n_chunks, CHUNK, h, kp)
+  d_b = d_b.at[:, :, CHUNK - 1].add(jnp.transpose(d_end, (0, 2, 1, 3)))
+  # Within-chunk reverse cumsum (64 terms: no rounding growth over T).
+  dg = jax.lax.cumsum(d_b, axis=2, reverse=True).reshape(bsz, tp, h, kp)
+  dbeta = jnp.transpose(jnp.sum(dbeta_p, axis=0), (0, 2, 1))[:, :t]
+  dq, dk_, dg = (x[:, :t, :, :dk] for x in (dq, dk_, dg))
+  return (dq.astype(q.dtype), dk_.astype(k.dtype), dvp[:, :t],
+          dg.astype(g.dtype), dbeta.astype(beta.dtype), ds0[:, :, :dk])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _kda_pallas_vjp(q, k, v, g, beta, s0, scale, block_k, bounded, interpret):
+  return _kda_fwd_impl(q, k, v, g, beta, s0, scale=scale, block_k=block_k,
+                       bounded=bounded, interpret=interpret)
+
+
+def _vjp_fwd(q, k, v, g, beta, s0, scale, block_k, bounded, interpret):
+  out = _kda_fwd_impl(q, k, v, g, beta, s0, scale=scale, block_k=block_k,
+                      bounded=bounded, interpret=interpret)
+  return out, (q, k, v, g, beta, s0)
+
+
+def _vjp_bwd(scale, block_k, bounded, interpret, res, cts):
+  q, k, v, g, beta, s0 = res
+  do, ds_final = cts
+  return _kda_bwd_impl(q, k, v, g, beta, s0, do, ds_final, scale=scale,
+                       block_k=block_k, bounded=bounded, interpret=interpret)
+
+
+_kda_pallas_vjp.defvjp(_vjp_fwd, _vjp_bwd)
+
+
+def _shape(x):
+  return tuple(getattr(x, "shape", ()))
+
+
+def _check_inputs(q, k, v, g, beta, initial_state):
+  """Static shape checks (ops.kda checks the same before dispatch)."""
+  if len(_shape(q)) != 4:
+    raise ValueError(f"q must have rank 4 [B, T, H, K], got shape {_shape(q)}")
+  bsz, t, h, dk = _shape(q)
+  for name, x in (("k", k), ("g", g)):
+    if _shape(x) != _shape(q):
+      raise ValueError(f"{name} must have the same shape as q [B, T, H, K]="
+                       f"{_shape(q)}, got {_shape(x)}")
+  if len(_shape(v)) != 4 or _shape(v)[:3] != (bsz, t, h):
+    raise ValueError(f"v must have shape [B, T, H, V] with [B, T, H]="
+                     f"{(bsz, t, h)} as in q, got {_shape(v)}")
+  if _shape(beta) != (bsz, t, h):
+    raise ValueError(f"beta must have shape [B, T, H]={(bsz, t, h)}, got "
+                     f"{_shape(beta)}")
+  dv = _shape(v)[3]
+  if initial_state is not None and _shape(initial_state) != (bsz, h, dk, dv):
+    raise ValueError(f"initial_state must have shape [B, H, K, V]="
+                     f"{(bsz, h, dk, dv)}, got {_shape(initial_state)}")
+  return bsz, h, dk, dv
+
+
+def kda_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min,
+               interpret=False, bounded=None, block_k=None):
+  """Chunked KDA, forward and backward as Pallas kernels (jax.custom_vjp).
+
+  Args:
+    q, k, g: [B, T, H, K]; v: [B, T, H, V] (fp32 or bf16; g fp32 log decay
+      <= 0); beta: [B, T, H]. K, V multiples of 16 in [16, 256]; any T.
+    scale: query scale or None (K**-0.5).
+    initial_state: [B, H, K, V] or None (zeros).
+    chunk_size: must be 64.
+    g_min: None (unbounded path: any g <= 0, no clamp) or a python float in
+      [-5.5, 0), the caller's promise g >= g_min (bounded path). On the
+      bounded path g below g_min is clamped to g_min (zero gradient there).
+    interpret: run the kernels in Pallas interpret mode (CPU).
+    bounded: force the path (default: bounded iff g_min is given).
+    block_k: K slice width inside the chunk kernels (a power of two >= 16;
+      default 32 on both paths).
+  Returns:
+    o [B, T, H, V] in v.dtype, final state [B, H, K, V] fp32.
+  """
+  if bounded is None:
+    bounded = g_min is not None
+  if bounded:
+    check_g_min(g_min)  # GMinError (a ValueError) names g_min=None
+  bsz, h, dk, dv = _check_inputs(q, k, v, g, beta, initial_state)
+  check_dims(q, v, chunk_size, what="KDA")  # chunk 64, K/V, dtypes
+  if block_k is None:
+    block_k = BLOCK_K if bounded else BLOCK_K_UNBOUNDED
+  if (isinstance(block_k, bool) or not isinstance(block_k, int)
+      or block_k < TILE or block_k & (block_k - 1)):
+    raise ValueError(f"block_k must be a power of two >= {TILE}, got "
+                     f"{block_k!r}")
+  scale = float(dk) ** -0.5 if scale is None else float(scale)
+  if initial_state is None:
+    initial_state = jnp.zeros((bsz, h, dk, dv), _F32)
+  g = g.astype(_F32)
+  if bounded:
+    # The clamp policy: compute with max(g, g_min); zero gradient below g_min
+    # (where, not maximum: maximum would halve the gradient at g == g_min).
+    g = jnp.where(g < g_min, jnp.float32(g_min), g)
+  return _kda_pallas_vjp(q, k, v, g, beta, initial_state.astype(_F32), scale,
+                         int(block_k), bool(bounded), bool(interpret))
+
+
+def register():
+  from pallas_kernels.linear_attention import ops
+  ops.register_backend("pallas", kda=kda_pallas)
+  ops.register_backend("interpret",
+                       kda=functools.partial(kda_pallas, interpret=True))
+  if hasattr(ops, "set_bounded_only"):  # both paths exist: "auto" may pick
+    ops.set_bounded_only("kda", False)  # the unbounded one for g_min=None
+
+
+if __name__ == "__main__":
+  # GPU self-check: B=1, T=32768, H=16, K=V=128 bf16, both paths, forward and
+  # forward+backward. Run as:
+  #   PYTHONPATH=. python pallas_kernels/linear_attention/kda_pallas.py [--xla]
+  # The error checks use T=4096 (chunk_kda_ref's [B,H,N,C,C,K] intermediate
+  # at T=32768 is ~8.6 GB); pass --xla to time the XLA reference at T=32768.
+  import sys
+  import time
+
+  import numpy as np
+
+  G_MIN_RUN = -5.0
+
+  def make(t, bsz=1, h=16, dk=128, dv=128):
+    keys = jax.random.split(jax.random.PRNGKey(0), 7)
+    q = jax.random.normal(keys[0], (bsz, t, h, dk), _F32)
+    q = q / jnp.linalg.norm(q, axis=-1, keepdims=True)
+    k = jax.random.normal(keys[1], (bsz, t, h, dk), _F32)
+    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    v = jax.random.normal(keys[2], (bsz, t, h, dv), _F32)
+    g = G_MIN_RUN * jax.nn.sigmoid(
+        2.0 * jax.random.normal(keys[3], (bsz, t, h, dk), _F32) - 2.0)
+    beta = jax.nn.sigmoid(jax.random.normal(keys[4], (bsz, t, h), _F32))
+    do = jax.random.normal(keys[5], (bsz, t, h, dv), _F32)
+    bf = lambda x: x.astype(jnp.bfloat16)  # noqa: E731
+    return bf(q), bf(k), bf(v), g, beta, bf(do)
+
+  def pallas_fn(g_min):
+    return jax.jit(lambda q, k, v, g, beta: kda_pallas(
+        q, k, v, g, beta, scale=None, initial_state=None, chunk_size=CHUNK,
+        g_min=g_min))
+
+  def grad_fn(fn):
+    def loss(q, k, v, g, beta, do):
+      o, s = fn(q, k, v, g, beta)
+      return (jnp.sum(o.astype(_F32) * do.astype(_F32))
+              + 1e-3 * jnp.sum(s * s))
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+
+  xla_fn = lambda q, k, v, g, beta: chunk_kda_ref(  # noqa: E731
+      q, k, v, g, beta, chunk_size=CHUNK)
+  up = lambda x: x.astype(_F32)  # noqa: E731
+  rel = lambda a, b: float(jnp.linalg.norm(up(a) - b) /  # noqa: E731
+                           jnp.linalg.norm(b))
+
+  def bench(fn, *args, n=20):
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(n):
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      ts.append(time.perf_counter() - t0)
+    return 1e3 * float(np.median(ts))
+
+  print("device:", jax.devices()[0])
+  q, k, v, g, beta, do = make(4096)
+  o_r, s_r = jax.jit(xla_fn)(up(q), up(k), up(v), g, beta)
+  grads_r = grad_fn(xla_fn)(up(q), up(k), up(v), g, beta, do)
+  for name, g_min in (("bounded", G_MIN_RUN), ("unbounded", None)):
+    o_p, s_p = pallas_fn(g_min)(q, k, v, g, beta)
+    print(f"T=4096 {name}: rel err o {rel(o_p, o_r):.3e}  final state "
+          f"{rel(s_p, s_r):.3e}")
+    grads_p = grad_fn(pallas_fn(g_min))(q, k, v, g, beta, do)
+    print("  grads rel err " + "  ".join(
+        f"{n} {rel(a, b):.3e}" for n, a, b in zip(
+            ("dq", "dk", "dv", "dg", "dbeta"), grads_p, grads_r)))
+
+  q, k, v, g, beta, do = make(32768)
+  for name, g_min in (("bounded", G_MIN_RUN), ("unbounded", None)):
+    fn = pallas_fn(g_min)
+    print(f"T=32768 {name}: finite",
+          bool(jnp.all(jnp.isfinite(up(fn(q, k, v, g, beta)[0])))))
+    print(f"  pallas fwd: {bench(fn, q, k, v, g, beta):.3f} ms")
+    print(f"  pallas fwd+bwd: "
+          f"{bench(grad_fn(fn), q, k, v, g, beta, do):.3f} ms")
+  if "--xla" in sys.argv:
+    print(f"xla    fwd: {bench(jax.jit(xla_fn), q, k, v, g, beta):.3f} ms")

@@ -11,6 +11,22 @@ from typing import Callable, Mapping
 
 import ml_collections
 
+# Logical-to-mesh rules (MaxText style). The batch is also split over
+# 'expert': outside the MoE the expert axis is one more data-parallel axis
+# (the expert all-to-all then moves distinct tokens). Logical names used by
+# moe_jax.sharding: batch, sequence, act_embed (activations); vocab, embed,
+# heads, mlp, expert (params).
+DEFAULT_RULES = (
+    ("batch", ("data", "fsdp", "expert")),
+    ("sequence", "context"),
+    ("act_embed", None),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("mlp", "tensor"),
+    ("expert", "expert"),
+)
+
 
 def base_config() -> ml_collections.ConfigDict:
   """Every field of a run, with defaults suited to a small CPU model."""
@@ -92,12 +108,26 @@ def base_config() -> ml_collections.ConfigDict:
   t.b2 = 0.95
   t.eps = 1e-8
   t.grad_clip = 1.0
+  t.microbatches = 1            # grad accumulation passes; divides data.batch_size
   t.log_every = 10
   t.eval_every = 100
   t.eval_batches = 8
   t.checkpoint_every = 100
   t.keep_checkpoints = 2
   t.progress_bar = True
+
+  # ----- device mesh (DESIGN 3.9; moe_jax.sharding) -----
+  me = c.mesh = ml_collections.ConfigDict()
+  me.num_devices = -1           # -1 = every device of every process; N =
+                                # the first N (one process: a 1-device run
+                                # on a many-device host)
+  me.data = -1                  # -1 = all devices the other axes leave
+  me.fsdp = 1                   # params (and batch) sharded on the 'embed' dim
+  me.expert = 1                 # routed experts sharded on their leading dim
+  me.context = 1                # sequence chunks
+  me.tensor = 1                 # heads / mlp / vocab
+  # Logical axis -> mesh axis (str), axes (tuple, major to minor) or None.
+  me.rules = DEFAULT_RULES
   return c
 
 

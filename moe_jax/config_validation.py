@@ -167,3 +167,60 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   for field in ("log_every", "eval_every", "eval_batches", "checkpoint_every",
                 "keep_checkpoints"):
     _int_range(config, f"train.{field}", 1)
+  _int_range(config, "train.microbatches", 1)
+  _divides(config, "train.microbatches", "data.batch_size")
+
+  # Device mesh (sizes against the device count: moe_jax.sharding.make_mesh).
+  validate_mesh_config(config)
+
+
+MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
+
+
+def validate_mesh_config(config: ml_collections.ConfigDict) -> None:
+  """Checks config.mesh without looking at devices.
+
+  Sizes: integers >= 1, and mesh.data may be -1 (all devices the other axes
+  leave). Rules: a sequence of (logical name, mesh axes) pairs, logical names
+  unique strings, mesh axes None, one of MESH_AXES or a tuple of distinct ones.
+  """
+  n = config.mesh.get("num_devices", -1)
+  if isinstance(n, bool) or not isinstance(n, int) or not (n == -1 or n >= 1):
+    raise ConfigError("mesh.num_devices must be -1 (every device) or an "
+                      f"integer >= 1, got {n!r}")
+  for axis in MESH_AXES:
+    path = f"mesh.{axis}"
+    value = _get(config, path)
+    if axis == "data":
+      if isinstance(value, bool) or not isinstance(value, int) or not (
+          value == -1 or value >= 1):
+        raise ConfigError(
+            "mesh.data must be -1 (all devices the other axes leave) or an "
+            f"integer >= 1, got {value!r}")
+      continue
+    _int_range(config, path, 1)
+  rules = config.mesh.rules
+  if isinstance(rules, (str, bytes)) or not isinstance(rules, (tuple, list)):
+    raise ConfigError(
+        "mesh.rules must be a sequence of (logical_name, mesh_axes) pairs, "
+        f"got {rules!r}")
+  seen = set()
+  for rule in rules:
+    if (not isinstance(rule, (tuple, list)) or len(rule) != 2
+        or not isinstance(rule[0], str) or not rule[0]):
+      raise ConfigError(
+          "mesh.rules entries must be (logical_name: str, mesh_axes) pairs, "
+          f"got {rule!r}")
+    name, axes = rule
+    if name in seen:
+      raise ConfigError(f"mesh.rules names logical axis {name!r} twice; "
+                        "allowed: each logical name at most once")
+    seen.add(name)
+    axes = (() if axes is None else
+            (axes,) if isinstance(axes, str) else axes)
+    if (not isinstance(axes, (tuple, list))
+        or any(a not in MESH_AXES for a in axes)
+        or len(set(axes)) != len(axes)):
+      raise ConfigError(
+          f"mesh.rules[{name!r}] must be None, one of {list(MESH_AXES)} or a "
+          f"tuple of distinct ones, got {rule[1]!r}")

@@ -24,6 +24,7 @@ from moe_jax.layers.kda import KDA
 from moe_jax.layers.mla import GatedMLA
 from moe_jax.layers.moe import MoE, SwiGLU
 from moe_jax.layers.norms import RMSNorm
+from moe_jax.sharding import HIDDEN_AXES, LOGITS_AXES, constrain
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -39,8 +40,12 @@ class HybridLM(nn.Module):
 
   Attributes:
     cfg: config.model as a FrozenConfigDict (hashable, immutable).
+    rules: logical-to-mesh axis rules (config.mesh.rules) for the activation
+      sharding constraints; None = config_base.DEFAULT_RULES. The constraints
+      only apply under a multi-device mesh (moe_jax.sharding.use_mesh).
   """
   cfg: ml_collections.FrozenConfigDict
+  rules: tuple | None = None
 
   def _mixer(self, kind: str, i: int) -> nn.Module:
     c = self.cfg
@@ -89,6 +94,8 @@ class HybridLM(nn.Module):
                  param_dtype=_DTYPES[c.param_dtype],
                  embedding_init=nn.initializers.normal(1.0),
                  name="embed")(tokens)
+    # Batch over the data axes, sequence over 'context', from here on.
+    x = constrain(x, HIDDEN_AXES, self.rules)
 
     sublayers = []
     for i, kind in enumerate(layer_kinds(c)):
@@ -110,9 +117,13 @@ class HybridLM(nn.Module):
     h = RMSNorm(c.norm_eps, dtype=dtype, name="final_norm")(h)
     logits = nn.Dense(c.vocab_size, use_bias=False, dtype=dtype,
                       param_dtype=_DTYPES[c.param_dtype], name="head")(h)
-    return logits.astype(jnp.float32)
+    return constrain(logits.astype(jnp.float32), LOGITS_AXES, self.rules)
 
 
 def build_model(config: ml_collections.ConfigDict) -> HybridLM:
   """The model for a (validated) run config."""
-  return HybridLM(ml_collections.FrozenConfigDict(config.model))
+  mesh = config.get("mesh")
+  rules = None if mesh is None else tuple(
+      (name, tuple(axes) if isinstance(axes, list) else axes)
+      for name, axes in mesh.rules)
+  return HybridLM(ml_collections.FrozenConfigDict(config.model), rules=rules)

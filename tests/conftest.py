@@ -6,11 +6,20 @@ initialises its backends, so it lives here, at import time of the test session.
 import os
 
 _FLAG = "--xla_force_host_platform_device_count=8"
+_USER_XLA_FLAGS = os.environ.get("XLA_FLAGS")
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402  (after the flag on purpose)
+
+assert len(jax.devices()) == 8, jax.devices()  # backends start here
+# Child processes (notebook kernels, CLI runs) see the user's environment:
+# one CPU device, as the README's commands would.
+if _USER_XLA_FLAGS is None:
+  del os.environ["XLA_FLAGS"]
+else:
+  os.environ["XLA_FLAGS"] = _USER_XLA_FLAGS
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -33,7 +42,12 @@ def load_config(name: str, arg: str | None = None):
   spec = importlib.util.spec_from_file_location(path.stem, path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  return module.get_config(arg)
+  config = module.get_config(arg)
+  if "mesh" in config:
+    # One device, as on a user's CPU machine: the 8 fake devices are for the
+    # tests that build their mesh on purpose (they set num_devices back).
+    config.mesh.num_devices = 1
+  return config
 
 
 @pytest.fixture(scope="session")

@@ -19,8 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moe_jax.layers import mesh_utils
 from moe_jax.layers.norms import l2_normalize, rms_normalize
 from pallas_kernels.linear_attention import kda as kda_op
+from pallas_kernels.linear_attention.context_parallel import (
+    kda_context_parallel)
 
 
 def causal_depthwise_conv(x: jax.Array, kernel: jax.Array,
@@ -98,6 +101,9 @@ class KDA(nn.Module):
     conv_size: short-conv width.
     chunk_size: chunk of the chunked algorithm.
     backend: linear-attention backend ("auto" | "xla" | "pallas" | "interpret").
+    context_axis: mesh axis that, when the ambient mesh (jax.set_mesh) has it
+      with size > 1 dividing T, splits the sequence for the token mixing
+      (context parallelism); otherwise the plain single-device op.
   """
   d_model: int
   num_heads: int
@@ -108,6 +114,7 @@ class KDA(nn.Module):
   conv_size: int = 4
   chunk_size: int = 64
   backend: str = "auto"
+  context_axis: str = "context"
   norm_eps: float = 1e-6
   out_init_scale: float = 1.0
   dtype: jnp.dtype = jnp.float32
@@ -144,9 +151,16 @@ class KDA(nn.Module):
     g = kda_log_decay(x_g.reshape(b, t, h, dk), dt_bias, a_log,
                       decay=self.decay, g_min=self.g_min)
 
-    o, _ = kda_op(q, k, v, g, beta, backend=self.backend,
-                  chunk_size=self.chunk_size,
-                  g_min=self.g_min if self.decay == "bounded" else None)
+    op_kw = dict(backend=self.backend, chunk_size=self.chunk_size,
+                 g_min=self.g_min if self.decay == "bounded" else None)
+    n_ctx = mesh_utils.axis_size(self.context_axis)
+    if n_ctx > 1 and t % n_ctx == 0:
+      # Sequence split over the context axis: local chunks + an exchange of
+      # per-device [K, K] / [K, V] state transitions (context_parallel.py).
+      o, _ = kda_context_parallel(q, k, v, g, beta, axis=self.context_axis,
+                                  **op_kw)
+    else:
+      o, _ = kda_op(q, k, v, g, beta, **op_kw)
 
     # Per-head RMSNorm with a scale shared across heads, then the output gate.
     o_scale = self.param("o_norm_scale", nn.initializers.ones, (dk,),

@@ -12,10 +12,14 @@ only c_kv (+ the rotary key); that path lives with the decoder.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from moe_jax.layers import mesh_utils
+from moe_jax.layers.context_attention import context_parallel_latent_attention
 from moe_jax.layers.norms import RMSNorm
 
 
@@ -52,12 +56,19 @@ class GatedMLA(nn.Module):
   attention_impl: str = "auto"
   norm_eps: float = 1e-6
   out_init_scale: float = 1.0
+  context_axis: str = "context"
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    """x: [B, T, D] -> [B, T, D]."""
+    """x: [B, T, D] -> [B, T, D].
+
+    When the ambient mesh (jax.set_mesh) has a `context_axis` of size > 1
+    dividing T, the attention runs context-parallel (context_attention.py):
+    each device gathers the latent c_kv of the whole sequence. Otherwise
+    (no mesh, size 1) the plain path below, unchanged.
+    """
     b, t, _ = x.shape
     h, dn, dr, dv = (self.num_heads, self.qk_nope_head_dim,
                      self.qk_rope_head_dim, self.v_head_dim)
@@ -79,6 +90,47 @@ class GatedMLA(nn.Module):
     # Latent keys/values: only c_kv (and the rotary key) would be cached.
     c_kv = RMSNorm(self.norm_eps, name="kv_norm")(dense(self.kv_lora_rank,
                                                         "kv_down")(x))
+    n_ctx = mesh_utils.axis_size(self.context_axis)
+    if n_ctx > 1 and t % n_ctx == 0:
+      # Context parallel: gather the small latent, not the keys and values.
+      o = self._context_attention(x, q, c_kv, dense)
+    else:
+      o = self._attention(x, q, c_kv, dense)
+
+    gate = jax.nn.sigmoid(dense(h * dv, "gate_proj")(x))
+    return dense(self.d_model, "o_proj", kernel_init=nn.initializers.variance_scaling(
+        self.out_init_scale, "fan_in", "truncated_normal"))(o * gate)
+
+  def _context_attention(self, x, q, c_kv, dense):
+    """Attention with T split over the context axis; o [B, T, H * Dv]."""
+    b, t, _ = x.shape
+    h, dn, dr, dv = (self.num_heads, self.qk_nope_head_dim,
+                     self.qk_rope_head_dim, self.v_head_dim)
+    # The up-projections run inside shard_map on the gathered latent, so
+    # their kernels are taken as arrays; same param path and init as Dense.
+    w_uk = _DenseKernel(self.kv_lora_rank, h * dn, self.param_dtype,
+                        name="k_up")().reshape(self.kv_lora_rank, h, dn)
+    w_uv = _DenseKernel(self.kv_lora_rank, h * dv, self.param_dtype,
+                        name="v_up")().reshape(self.kv_lora_rank, h, dv)
+    k_rope = None
+    if dr > 0:
+      positions = jnp.arange(t)  # global positions (global view)
+      k_rope = apply_rope(dense(dr, "k_rope")(x)[:, :, None], positions,
+                          self.rope_theta)[:, :, 0]
+      q_rope = apply_rope(q[..., dn:], positions, self.rope_theta)
+      q = jnp.concatenate([q[..., :dn], q_rope], axis=-1)
+    impl = None if self.attention_impl == "auto" else self.attention_impl
+    o = context_parallel_latent_attention(
+        q, c_kv, w_uk, w_uv, k_rope, scale=(dn + dr) ** -0.5,
+        axis=self.context_axis, dtype=self.dtype, implementation=impl)
+    return o.reshape(b, t, h * dv)
+
+  def _attention(self, x, q, c_kv, dense):
+    """Single-device (or compiler-partitioned) attention; o [B, T, H * Dv]."""
+    b, t, _ = x.shape
+    h, dn, dr, dv = (self.num_heads, self.qk_nope_head_dim,
+                     self.qk_rope_head_dim, self.v_head_dim)
+    dqk = dn + dr
     k = dense(h * dn, "k_up")(c_kv).reshape(b, t, h, dn)
     v = dense(h * dv, "v_up")(c_kv).reshape(b, t, h, dv)
     if dr > 0:
@@ -98,8 +150,21 @@ class GatedMLA(nn.Module):
     impl = None if self.attention_impl == "auto" else self.attention_impl
     o = jax.nn.dot_product_attention(
         q, k, vp, is_causal=True, scale=dqk ** -0.5, implementation=impl)
-    o = o[..., :dv].reshape(b, t, h * dv)
+    return o[..., :dv].reshape(b, t, h * dv)
 
-    gate = jax.nn.sigmoid(dense(h * dv, "gate_proj")(x))
-    return dense(self.d_model, "o_proj", kernel_init=nn.initializers.variance_scaling(
-        self.out_init_scale, "fan_in", "truncated_normal"))(o * gate)
+
+class _DenseKernel(nn.Module):
+  """The kernel param of an nn.Dense (same path, shape, init), as an array.
+
+  For code that must apply the matrix inside shard_map, where Linen modules
+  cannot be called.
+  """
+  in_features: int
+  features: int
+  param_dtype: jnp.dtype = jnp.float32
+  kernel_init: Callable = nn.linear.default_kernel_init
+
+  @nn.compact
+  def __call__(self) -> jax.Array:
+    return self.param("kernel", self.kernel_init,
+                      (self.in_features, self.features), self.param_dtype)

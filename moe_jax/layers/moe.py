@@ -1,10 +1,12 @@
 """Sparse MoE: shared SwiGLU + dropless routed SwiGLU experts (DESIGN 3.5).
 
 Routed dispatch "ragged" sorts (token, slot) pairs by expert and runs grouped
-matmuls with `jax.lax.ragged_dot`; "loop" runs every expert on every token and
-masks, the obviously-correct reference used by tests. Both give the same values
-and gradients. Router state/stats live in the `router_state` / `router_stats`
-collections of the `router` submodule (see router.py).
+matmuls with `jax.lax.ragged_dot` (expert_parallel.ragged_experts; split over
+the "expert" mesh axis with an all-to-all when the ambient mesh has one);
+"loop" runs every expert on every token and masks, the obviously-correct
+reference used by tests. Both give the same values and gradients. Router
+state/stats live in the `router_state` / `router_stats` collections of the
+`router` submodule (see router.py).
 """
 from __future__ import annotations
 
@@ -14,6 +16,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from moe_jax.layers import mesh_utils
+from moe_jax.layers.expert_parallel import (
+    expert_parallel_experts, ragged_experts as _ragged_experts, token_axes)
 from moe_jax.layers.router import Router
 
 DISPATCH_METHODS = ("ragged", "loop")
@@ -76,6 +81,14 @@ class MoE(nn.Module):
     qb_estimator, qb_bins, qb_range: Quantile-Balancing estimator settings,
       passed to the Router (see router.py).
     dispatch: "ragged" (sort + ragged_dot) | "loop" (reference).
+    expert_axis: mesh axis for expert parallelism: when the ambient mesh
+      (jax.set_mesh) has it with size > 1 dividing num_experts and the tokens
+      (and dispatch == "ragged"), the routed experts run split over it with
+      an all-to-all token dispatch (expert_parallel.py). Otherwise, and
+      without a mesh, the single-device dispatch.
+    ep_capacity_factor: None = dropless expert-parallel dispatch (default);
+      c > 0 caps the rows per destination device at ceil(c n k / P) and
+      drops the rest (an option, never the default).
     dtype: compute dtype (the router always computes in fp32).
     param_dtype: dtype of the expert / shared params.
     kernel_init: init of one expert's [fan_in, fan_out] matrix.
@@ -94,6 +107,8 @@ class MoE(nn.Module):
   qb_range: float = 4.0
   expert_latent_dim: int = 0
   dispatch: str = "ragged"
+  expert_axis: str = "expert"
+  ep_capacity_factor: float | None = None
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
   kernel_init: Callable = _default_init
@@ -134,7 +149,18 @@ class MoE(nn.Module):
     w_gate, w_up, w_down = (
         p.astype(self.dtype) for p in (w_gate, w_up, w_down))
 
-    if self.dispatch == "ragged":
+    n_ep = mesh_utils.axis_size(self.expert_axis)
+    if (self.dispatch == "ragged" and n_ep > 1 and e % n_ep == 0
+        and token_axes(mesh_utils.resolve_mesh(), lead,
+                       self.expert_axis) is not None):
+      # Expert parallel: experts split over the axis, tokens all-to-all'd
+      # to them (expert_parallel.py); routing above is unchanged (global).
+      y = expert_parallel_experts(
+          x_experts.reshape(*lead, d_in), idx.reshape(*lead, -1),
+          w.reshape(*lead, -1), w_gate, w_up, w_down,
+          expert_axis=self.expert_axis,
+          capacity_factor=self.ep_capacity_factor).reshape(-1, d_in)
+    elif self.dispatch == "ragged":
       y = _ragged_experts(x_experts, idx, w, w_gate, w_up, w_down)
     else:
       y = _loop_experts(x_experts, idx, w, w_gate, w_up, w_down)
@@ -148,35 +174,6 @@ class MoE(nn.Module):
                      param_dtype=self.param_dtype,
                      kernel_init=self.kernel_init, name="shared")(xc)
     return y.reshape(*lead, d)
-
-
-def _ragged_experts(x, idx, w, w_gate, w_up, w_down):
-  """Dropless grouped-matmul dispatch.
-
-  Args:
-    x: [N, D] tokens (compute dtype).
-    idx: [N, k] int32 expert ids.
-    w: [N, k] fp32 combine weights.
-    w_gate, w_up: [E, D, F]; w_down: [E, F, D].
-
-  Returns:
-    [N, D] fp32 routed output.
-  """
-  n, k = idx.shape
-  e = w_gate.shape[0]
-  flat_e = idx.reshape(-1)                                       # [N*k]
-  # Stable sort keeps token order inside each expert group (determinism).
-  order = jnp.argsort(flat_e, stable=True)                       # [N*k]
-  xs = jnp.take(x, order // k, axis=0)                           # [N*k, D]
-  group_sizes = jnp.bincount(flat_e, length=e).astype(jnp.int32)  # [E]
-  h = (nn.silu(jax.lax.ragged_dot(xs, w_gate, group_sizes))
-       * jax.lax.ragged_dot(xs, w_up, group_sizes))              # [N*k, F]
-  ys = jax.lax.ragged_dot(h, w_down, group_sizes)                # [N*k, D]
-  ys = ys.astype(jnp.float32) * jnp.take(w.reshape(-1), order)[:, None]
-  # Inverse permutation (a scatter of indices) back to (token, slot) order.
-  inv = jnp.zeros_like(order).at[order].set(
-      jnp.arange(order.shape[0], dtype=order.dtype))
-  return jnp.take(ys, inv, axis=0).reshape(n, k, -1).sum(axis=1)
 
 
 def _loop_experts(x, idx, w, w_gate, w_up, w_down):

@@ -19,6 +19,11 @@ DESIGN 3.5 / 3.6. The router owns two non-param collections:
       target with `qb_target_from_histogram`.
     - `aux_loss` [] fp32 (balancing == "aux"): aux_loss_coef * Switch loss, with
       gradient; the train step adds every `aux_loss` leaf to the loss.
+* `router_qb_thresholds` / `r` [N, E] fp32 (balancing == "qb", exact
+  estimator), written only when that collection is mutable (never at init):
+  the per-token thresholds r = alpha - s, so that gradient accumulation can
+  take the exact order statistic of the whole batch over microbatches
+  (`qb_target_from_smallest`) instead of averaging per-microbatch targets.
 
 Everything else here is pure and jit-friendly.
 """
@@ -36,6 +41,7 @@ QB_ESTIMATORS = ("exact", "histogram")
 
 STATE_COLLECTION = "router_state"
 STATS_COLLECTION = "router_stats"
+THRESHOLDS_COLLECTION = "router_qb_thresholds"
 
 
 def _validate(num_experts: int, top_k: int, balancing: str,
@@ -133,10 +139,27 @@ def qb_exact_target(scores: jax.Array, bias: jax.Array, top_k: int, *,
   q = min(max((m * top_k) // n, 0), m - 1)          # static
   # (q+1)-th smallest along tokens == (q+1)-th largest of -r; top_k, not sort.
   neg_small, _ = jax.lax.top_k(-r.T, q + 1)         # [n, q+1]
-  b_new = -neg_small[:, q]                          # [n] (q+1)-th smallest
+  return qb_target_from_smallest(-neg_small, q)
+
+
+def qb_target_from_smallest(smallest: jax.Array, q: int) -> jax.Array:
+  """The exact QB target from the q+1 smallest thresholds of each expert.
+
+  The order-statistic rule of `qb_exact_target`, split out so that gradient
+  accumulation can merge the smallest thresholds of several microbatches
+  (a running top_k) and apply the rule once to the whole batch.
+
+  Args:
+    smallest: [..., n, q+1] the q+1 smallest r[:, j] per expert, ascending.
+    q: the balanced load floor(m k / n) of the whole batch (static).
+
+  Returns:
+    [..., n] fp32 target bias, mean zero over the expert axis.
+  """
+  b_new = smallest[..., q]                          # (q+1)-th smallest
   if q > 0:  # off the boundary token's tie: midpoint with the q-th smallest
-    b_new = 0.5 * (b_new - neg_small[:, q - 1])
-  return b_new - jnp.mean(b_new)
+    b_new = 0.5 * (b_new + smallest[..., q - 1])
+  return b_new - jnp.mean(b_new, axis=-1, keepdims=True)
 
 
 def _qb_thresholds(scores: jax.Array, bias: jax.Array,
@@ -430,6 +453,41 @@ def accumulate_router_stats(a: Mapping | None, b: Mapping) -> Mapping:
   return freeze(out) if frozen else out
 
 
+def reduce_router_stats(stacked: Mapping) -> Mapping:
+  """Combines router_stats stacked along a leading microbatch axis.
+
+  Like `accumulate_router_stats` over M equal-size microbatches at once:
+  `load`, `qb_hist`, `qb_tokens` are summed over axis 0 (exact), `qb_target`
+  and `aux_loss` averaged with equal weights.
+
+  Args:
+    stacked: a `router_stats` tree whose leaves carry a leading axis [M, ...]
+      (e.g. the stacked outputs of a jax.lax.scan over microbatches).
+
+  Returns:
+    The combined tree, leaves [...] (same container kind as `stacked`).
+  """
+  frozen = isinstance(stacked, FrozenDict)
+
+  def walk(node, path):
+    out = {}
+    for key, val in node.items():
+      if _is_mapping(val):
+        out[key] = walk(val, path + (key,))
+      elif key in _SUMMED_STATS:
+        out[key] = jnp.sum(val, axis=0)
+      elif key in _AVERAGED_STATS:
+        out[key] = jnp.mean(val, axis=0)
+      else:
+        raise ValueError(
+            f"reduce_router_stats: unknown router stat {key!r} at "
+            f"{'/'.join(path)}")
+    return out
+
+  out = walk(unfreeze(stacked) if frozen else stacked, ())
+  return freeze(out) if frozen else out
+
+
 def collect_loads(router_stats: Mapping) -> dict[str, jax.Array]:
   """{'/'-joined path of the module holding `load`: load [..., E]}."""
   out = {}
@@ -540,6 +598,10 @@ class Router(nn.Module):
         target = qb_exact_target(s, b, k)
         self.variable(STATS_COLLECTION, "qb_target",
                       lambda: jnp.zeros((e,), jnp.float32)).value = target
+        if (self.is_mutable_collection(THRESHOLDS_COLLECTION)
+            and not self.is_initializing()):
+          self.variable(THRESHOLDS_COLLECTION, "r", lambda: jnp.zeros(
+              (x.shape[0], e), jnp.float32)).value = _qb_thresholds(s, b, k)
       elif self.balancing == "aux":
         # Switch loss: E * sum_j f_j P_j; f has no grad, P does.
         f = load / jnp.maximum(jnp.sum(load), 1.0)                # [E]

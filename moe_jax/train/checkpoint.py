@@ -3,6 +3,12 @@
 Saves are atomic (orbax writes to a temporary folder and renames it when
 complete), so a crash mid-save leaves the last good checkpoint intact; the
 loop never saves a state whose loss or gradients were not finite.
+
+Sharded arrays are saved by every process (each writes its own shards; orbax
+coordinates the commit, and the JSON items are written by the primary host
+only), so `save` must be called on every process. A restore reads each array
+into the sharding of its target (`with_shardings`), so a checkpoint written
+on one mesh restores on another.
 """
 from __future__ import annotations
 
@@ -66,3 +72,14 @@ def abstract_like(tree: Any) -> Any:
     sharding = getattr(x, "sharding", None)
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
   return jax.tree_util.tree_map(one, tree)
+
+
+def with_shardings(abstract: Any, shardings: Any) -> Any:
+  """ShapeDtypeStructs of `abstract` carrying the matching `shardings`.
+
+  The restore target for another mesh: orbax reads each array straight into
+  its target sharding, whatever the layout it was saved with.
+  """
+  return jax.tree_util.tree_map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+      abstract, shardings)

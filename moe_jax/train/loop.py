@@ -17,14 +17,17 @@ import numpy as np
 import tqdm
 from absl import logging
 
+from moe_jax import sharding
 from moe_jax.config_validation import validate_config
 from moe_jax.data import eval_batches, make_datasets, unigram_bits_per_byte
 from moe_jax.eval.evaluate import evaluate
 from moe_jax.model import build_model
-from moe_jax.train.checkpoint import Checkpointer, abstract_like
+from moe_jax.train.checkpoint import Checkpointer, with_shardings
 from moe_jax.train.metrics import MetricsWriter
 from moe_jax.train.optimizer import make_optimizer, make_schedule
-from moe_jax.train.step import init_train_state, make_eval_step, make_train_step
+from moe_jax.train.step import (abstract_train_state, init_train_state,
+                                make_eval_step, make_train_step,
+                                train_state_shardings)
 
 
 class NonFiniteError(FloatingPointError):
@@ -72,21 +75,46 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
                      f"data's vocabulary ({vocab}); allowed: >= {vocab}")
   unigram_bpb = unigram_bits_per_byte(train_tokens, val_tokens, vocab)
 
+  # One mesh over all devices of all processes (DESIGN 3.9); on one device
+  # every sharding below is trivial and the run is the unsharded one.
+  mesh = sharding.make_mesh(config.mesh)
+  rules = config.mesh.rules
+  logging.info("Mesh %s on %d devices, %d processes", dict(mesh.shape),
+               mesh.size, jax.process_count())
   model = build_model(config)
   schedule = make_schedule(tcfg)
   tx = make_optimizer(tcfg)
-  state = init_train_state(model, tx, jax.random.PRNGKey(config.seed),
-                           config.data.seq_len)
-  train_step = jax.jit(make_train_step(model, tx, mcfg.moe, schedule),
-                       donate_argnums=(0,))
-  eval_step = jax.jit(make_eval_step(model))
+  rng = jax.random.PRNGKey(config.seed)
+  abstract_state = abstract_train_state(model, tx, rng, config.data.seq_len)
+  state_sh = train_state_shardings(abstract_state, tx, mesh, rules)
+  batch_shape = (config.data.batch_size, config.data.seq_len)
+  batch_sh = sharding.batch_sharding(mesh, rules, batch_shape)
+  rep = sharding.replicated(mesh)
+  train_step = sharding.jit_in_mesh(
+      make_train_step(model, tx, mcfg.moe, schedule,
+                      microbatches=tcfg.microbatches), mesh,
+      in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, rep),
+      donate_argnums=(0,))
+  eval_step = sharding.jit_in_mesh(
+      make_eval_step(model), mesh,
+      in_shardings=(state_sh.params, state_sh.router_state, batch_sh),
+      out_shardings=rep)
+
+  def global_batch(local: dict) -> dict:
+    return sharding.shard_batch(local, batch_sh, config.data.batch_size)
 
   ckpt = Checkpointer(workdir, keep=tcfg.keep_checkpoints)
   start = ckpt.latest_step()
   if start is not None:
-    state, data_state, _ = ckpt.restore(start, abstract_like(state))
+    # Restored straight into this run's shardings, whatever mesh saved it
+    # (no init first: at scale the state would not fit twice).
+    state, data_state, _ = ckpt.restore(
+        start, with_shardings(abstract_state, state_sh))
     train_iter.set_state(data_state)
     logging.info("Resumed from step %d in %s", start, ckpt.directory)
+  else:
+    state = init_train_state(model, tx, rng, config.data.seq_len,
+                             shardings=state_sh)
   start = int(state.step)
 
   writer = MetricsWriter(workdir, enabled=is_chief)
@@ -99,9 +127,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   result: dict = {"unigram_bpb": unigram_bpb, "num_params": n_params}
 
   def run_eval(step):
-    batches = eval_batches(val_tokens, config.data.seq_len,
-                           config.data.batch_size,
-                           max_batches=tcfg.eval_batches)
+    batches = map(global_batch, eval_batches(
+        val_tokens, config.data.seq_len, config.data.batch_size,
+        max_batches=tcfg.eval_batches, process_index=jax.process_index(),
+        process_count=jax.process_count()))
     ev = evaluate(eval_step, state.params, state.router_state, batches)
     loads = ev.pop("_loads")
     ev["unigram_bpb"] = unigram_bpb
@@ -120,7 +149,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   with _SigtermFlag() as sigterm:
     step = start
     while step < last_step:
-      batch = next(train_iter)
+      batch = global_batch(next(train_iter))
       t0 = time.perf_counter()
       new_state, metrics = train_step(state, batch)
       loss = float(metrics["loss"])  # Also waits for the step to finish.

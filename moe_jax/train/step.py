@@ -15,8 +15,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from moe_jax.layers.router import (collect_loads, max_violation,
-                                   update_router_state)
+from moe_jax import sharding
+from moe_jax.layers.router import (THRESHOLDS_COLLECTION, collect_loads,
+                                   max_violation, qb_target_from_smallest,
+                                   reduce_router_stats, update_router_state)
 
 PyTree = Any
 LN2 = math.log(2.0)
@@ -31,9 +33,48 @@ class TrainState:
   router_state: PyTree
 
 
+def _init_fn(model: nn.Module, tx: optax.GradientTransformation,
+             seq_len: int) -> Callable[[jax.Array], TrainState]:
+  def init(rng):
+    variables = model.init(rng, jnp.zeros((1, seq_len), jnp.int32))
+    params = variables["params"]
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=tx.init(params),
+                      router_state=variables.get("router_state", {}))
+  return init
+
+
+def abstract_train_state(model: nn.Module, tx: optax.GradientTransformation,
+                         rng: jax.Array, seq_len: int) -> TrainState:
+  """The TrainState as jax.ShapeDtypeStructs (nothing is computed)."""
+  return jax.eval_shape(_init_fn(model, tx, seq_len), rng)
+
+
+def train_state_shardings(abstract_state: TrainState,
+                          tx: optax.GradientTransformation, mesh,
+                          rules) -> TrainState:
+  """NamedSharding per leaf: params by moe_jax.sharding.PARAM_AXES, optimizer
+  state mirroring them, step and router_state replicated."""
+  params = sharding.param_shardings(abstract_state.params, mesh, rules)
+  rep = sharding.replicated(mesh)
+  return TrainState(
+      step=rep, params=params,
+      opt_state=sharding.opt_state_shardings(
+          tx, abstract_state.opt_state, params, abstract_state.params, mesh),
+      router_state=jax.tree.map(lambda _: rep, abstract_state.router_state))
+
+
 def init_train_state(model: nn.Module, tx: optax.GradientTransformation,
-                     rng: jax.Array, seq_len: int) -> TrainState:
-  """Initialises params, router_state and the optimizer state."""
+                     rng: jax.Array, seq_len: int,
+                     shardings: TrainState | None = None) -> TrainState:
+  """Initialises params, router_state and the optimizer state.
+
+  shardings: from `train_state_shardings`; the state is then created
+  directly in that layout (one jit with out_shardings). The values do not
+  depend on the layout (JAX's partitionable threefry RNG).
+  """
+  if shardings is not None:
+    return jax.jit(_init_fn(model, tx, seq_len), out_shardings=shardings)(rng)
   # Jitted: eager init would dispatch every op of the model one by one.
   variables = jax.jit(model.init)(rng, jnp.zeros((1, seq_len), jnp.int32))
   params = variables["params"]
@@ -68,24 +109,132 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
       logits, targets).mean()
 
 
-def make_train_step(model: nn.Module, tx: optax.GradientTransformation,
-                    moe_cfg, schedule: optax.Schedule | None = None
-                    ) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
-  """Returns train_step(state, batch) -> (state, metrics); jit it outside."""
+def split_microbatches(batch: dict, microbatches: int) -> dict:
+  """[B, ...] leaves -> [M, B/M, ...]; microbatch j holds rows j, j+M, ...
 
-  def loss_fn(params, router_state, batch):
+  Strided rather than contiguous: with the batch dim sharded over devices,
+  every device then holds B/(M * devices) rows of every microbatch, so each
+  pass keeps all devices busy and the split moves no data.
+  """
+  def split(x):
+    if x.shape[0] % microbatches:
+      raise ValueError(
+          f"batch dim {x.shape[0]} is not divisible by train.microbatches="
+          f"{microbatches}; allowed: the divisors of {x.shape[0]}")
+    x = x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:])
+    return jnp.swapaxes(x, 0, 1)
+  return jax.tree.map(split, batch)
+
+
+def _merge_smallest(smallest: jax.Array, r: jax.Array) -> jax.Array:
+  """Running q+1 smallest thresholds: smallest [..., E, q+1], r [..., N, E]."""
+  both = jnp.concatenate([smallest, jnp.swapaxes(r, -1, -2)], axis=-1)
+  neg, _ = jax.lax.top_k(-both, smallest.shape[-1])   # ascending after -
+  return -neg
+
+
+def _set_exact_targets(stats: dict, smallest: dict) -> dict:
+  """Sets qb_target from each 'r' buffer [..., E, q+1] (the exact target)."""
+  out = dict(stats)
+  for key, val in smallest.items():
+    if key == "r":
+      out["qb_target"] = qb_target_from_smallest(val, val.shape[-1] - 1)
+    else:
+      out[key] = _set_exact_targets(stats[key], val)
+  return out
+
+
+def make_grad_fn(model: nn.Module, moe_cfg, microbatches: int = 1
+                 ) -> Callable[[PyTree, PyTree, dict], tuple]:
+  """grad_fn(params, router_state, batch) -> ((loss, ce, aux, stats), grads).
+
+  microbatches > 1: gradient accumulation. The batch is split with
+  `split_microbatches` and a jax.lax.scan runs the forward and backward once
+  per microbatch, all with the same (old) params and router bias; loss, ce,
+  aux and grads are the means over microbatches (= the full-batch values for
+  a mean loss), and the router stats are combined over microbatches
+  (`reduce_router_stats`: loads and histograms summed). For the exact QB
+  estimator the per-token thresholds of every microbatch are merged into a
+  running q+1 smallest per expert, so qb_target is the exact order statistic
+  of the whole batch, not a mean of per-microbatch targets. Grads accumulate
+  in fp32 and come back in the param dtype.
+  """
+  exact_qb = moe_cfg.balancing == "qb" and moe_cfg.qb_estimator == "exact"
+
+  def loss_fn(params, router_state, batch, mutable):
     logits, mutated = model.apply(
         {"params": params, "router_state": router_state}, batch["inputs"],
-        mutable=["router_stats"])
+        mutable=mutable)
     stats = mutated.get("router_stats", {})
     ce = cross_entropy(logits, batch["targets"])
     aux = sum_aux_losses(stats)
-    return ce + aux, (ce, aux, stats)
+    return ce + aux, (ce, aux, stats, mutated.get(THRESHOLDS_COLLECTION, {}))
+
+  if microbatches == 1:
+    def grad_fn(params, router_state, batch):
+      (loss, (ce, aux, stats, _)), grads = jax.value_and_grad(
+          loss_fn, has_aux=True)(params, router_state, batch,
+                                 ["router_stats"])
+      return (loss, ce, aux, stats), grads
+    return grad_fn
+
+  mutable = ["router_stats"] + ([THRESHOLDS_COLLECTION] if exact_qb else [])
+  vg = jax.value_and_grad(loss_fn, has_aux=True)
+
+  def grad_fn(params, router_state, batch):
+    mbs = split_microbatches(batch, microbatches)
+    # Shapes of the per-token thresholds r [..., N_mb, E] (exact QB only).
+    thr_shape = jax.eval_shape(lambda: model.apply(
+        {"params": params, "router_state": router_state},
+        jax.tree.map(lambda x: x[0], mbs)["inputs"],
+        mutable=mutable)[1].get(THRESHOLDS_COLLECTION, {}))
+
+    def init_smallest(r):
+      # q of the whole batch: m = microbatches x tokens of one microbatch.
+      m, n = microbatches * r.shape[-2], r.shape[-1]
+      q = min(max((m * moe_cfg.top_k) // n, 0), m - 1)
+      return jnp.full(r.shape[:-2] + (n, q + 1), jnp.inf, jnp.float32)
+
+    smallest0 = jax.tree.map(init_smallest, thr_shape)
+    grads0 = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+
+    def body(carry, mb):
+      grads_acc, smallest = carry
+      (loss, (ce, aux, stats, thr)), grads = vg(params, router_state, mb,
+                                                mutable)
+      grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32),
+                               grads_acc, grads)
+      smallest = jax.tree.map(_merge_smallest, smallest, thr)
+      return (grads_acc, smallest), (loss, ce, aux, stats)
+
+    (grads, smallest), (loss, ce, aux, stats) = jax.lax.scan(
+        body, (grads0, smallest0), mbs)
+    grads = jax.tree.map(lambda g, p: (g / microbatches).astype(p.dtype),
+                         grads, params)
+    stats = reduce_router_stats(stats)
+    if exact_qb:
+      stats = _set_exact_targets(flax.core.unfreeze(stats),
+                                 flax.core.unfreeze(smallest))
+    return (loss.mean(), ce.mean(), aux.mean(), stats), grads
+
+  return grad_fn
+
+
+def make_train_step(model: nn.Module, tx: optax.GradientTransformation,
+                    moe_cfg, schedule: optax.Schedule | None = None,
+                    microbatches: int = 1
+                    ) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
+  """Returns train_step(state, batch) -> (state, metrics); jit it outside.
+
+  microbatches > 1 accumulates gradients and router statistics over that
+  many passes (`make_grad_fn`); the optimizer step and the router-bias update
+  run once, after all of them.
+  """
+  grad_fn = make_grad_fn(model, moe_cfg, microbatches)
 
   def train_step(state: TrainState, batch: dict):
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    (loss, (ce, aux, stats)), grads = grad_fn(state.params,
-                                              state.router_state, batch)
+    (loss, ce, aux, stats), grads = grad_fn(state.params, state.router_state,
+                                            batch)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     # After the optimizer step, outside the gradient: the router bias update.

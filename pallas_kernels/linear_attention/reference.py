@@ -292,7 +292,10 @@ def unit_lower_triangular_inverse(n: jax.Array) -> jax.Array:
     m_i = eye[i] - jnp.einsum("...j,...jk->...k", n_i, m, precision=_PREC)
     return jax.lax.dynamic_update_index_in_dim(m, m_i, i, axis=-2)
 
-  return jax.lax.fori_loop(1, c, row, jnp.broadcast_to(eye, n.shape))
+  # eye + zeros_like(n), not broadcast_to: the carry must carry n's
+  # varying-manual-axes type when this runs inside shard_map (context
+  # parallelism), or fori_loop rejects the carry.
+  return jax.lax.fori_loop(1, c, row, eye + jnp.zeros_like(n))
 
 
 def chunk_kda_ref(q, k, v, g, beta, *, scale=None, initial_state=None,

@@ -1,0 +1,213 @@
+"""Routed experts: grouped-matmul dispatch, on one device or expert-parallel.
+
+DESIGN 3.5 / 3.9. `ragged_experts` is the single-device dropless dispatch
+(sort (token, slot) pairs by expert, `jax.lax.ragged_dot`).
+`expert_parallel_experts` runs the same computation with the experts split
+over the mesh axis "expert" (E_l = E / P experts per device, P = axis size)
+inside `jax.shard_map`; tokens are split over the expert axis too (plus the
+batch / sequence axes), and per device:
+
+  1. dispatch: for each destination device d, the local tokens routed to at
+     least one expert of d are compacted, in token order, into a buffer of
+     `capacity` rows (a token goes to a device once, however many of its
+     top-k experts live there), together with its slot -> local-expert ids
+     (a sentinel E_l for slots on other devices) and combine weights;
+  2. `all_to_all` over the expert axis: each device receives P such buffers;
+  3. the received (row, slot) pairs are sorted by local expert and run
+     through `ragged_experts` with the device's E_l experts; the combine
+     weights are applied and the slots of a row summed there;
+  4. the reverse `all_to_all` brings one row per (token, device) back, and
+     the rows are scattered (summed) onto the tokens.
+
+Dropless by default: capacity = all local tokens (n), the worst case (every
+local token routed to one device), so nothing is ever dropped and the
+result equals the single-device dispatch. That costs static buffers of
+P x n rows each way, i.e. P/k times the average traffic (uniform routing),
+and a receiving grouped matmul over P n k (row, slot) pairs, the real ones
+first (whether ragged_dot skips the padded tail depends on its lowering);
+`capacity_factor` c > 0 shrinks the buffers to ceil(c n k / P) rows, and the
+tokens beyond it for a destination (the last in token order) lose that
+destination's experts (never the default; DESIGN 3.5). A ragged all-to-all
+(`jax.lax.ragged_all_to_all`) would send only the real rows, but XLA:CPU
+(jax 0.10.2) does not implement it ("UNIMPLEMENTED: ragged-all-to-all"), so
+it could not be tested here and is not used.
+
+The router runs outside, on the global token set, so routing and the
+Quantile-Balancing statistics are the same as without the mesh; the
+experts' gradients come back split over the expert axis like the weights.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from moe_jax.layers import mesh_utils
+
+# Axes that may split the token dims [B, T] (or [N]); the expert axis must be
+# one of them so that each token is dispatched by exactly one device.
+_BATCH_AXES = ("data", "fsdp", "expert")
+_SEQ_AXES = ("context", "expert")
+
+
+def ragged_experts(x, idx, w, w_gate, w_up, w_down):
+  """Dropless grouped-matmul dispatch on one device.
+
+  Expert ids equal to E (one past the last) are allowed and dropped: they sort
+  last, outside every group, where ragged_dot writes zeros (the
+  expert-parallel path marks slots routed to other devices that way).
+
+  Args:
+    x: [N, D] tokens (compute dtype).
+    idx: [N, k] int32 expert ids in [0, E].
+    w: [N, k] fp32 combine weights.
+    w_gate, w_up: [E, D, F]; w_down: [E, F, D].
+
+  Returns:
+    [N, D] fp32 routed output: sum over slots of w * expert(x).
+  """
+  n, k = idx.shape
+  e = w_gate.shape[0]
+  flat_e = idx.reshape(-1)                                       # [N*k]
+  # Stable sort keeps token order inside each expert group (determinism).
+  order = jnp.argsort(flat_e, stable=True)                       # [N*k]
+  xs = jnp.take(x, order // k, axis=0)                           # [N*k, D]
+  group_sizes = jnp.bincount(flat_e, length=e).astype(jnp.int32)  # [E]
+  h = (jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, group_sizes))
+       * jax.lax.ragged_dot(xs, w_up, group_sizes))              # [N*k, F]
+  ys = jax.lax.ragged_dot(h, w_down, group_sizes)                # [N*k, D]
+  ys = ys.astype(jnp.float32) * jnp.take(w.reshape(-1), order)[:, None]
+  # Inverse permutation (a scatter of indices) back to (token, slot) order.
+  inv = jnp.zeros_like(order).at[order].set(
+      jnp.arange(order.shape[0], dtype=order.dtype))
+  return jnp.take(ys, inv, axis=0).reshape(n, k, -1).sum(axis=1)
+
+
+def token_axes(mesh, lead_shape: Sequence[int],
+               expert_axis: str = "expert") -> Optional[tuple]:
+  """Mesh axes splitting each token dim for the expert-parallel path.
+
+  Leading dims [B, T]: B over ("data", "fsdp", "expert"), T over
+  ("context", "expert") (greedy, mesh order, each axis once, only axes that
+  divide); a flat [N] takes all of them. Returns None when the expert axis
+  cannot split the tokens (then the caller keeps the single-device path).
+  """
+  if len(lead_shape) == 1:
+    groups = [_BATCH_AXES + ("context",)]
+  elif len(lead_shape) == 2:
+    groups = [_BATCH_AXES, _SEQ_AXES]
+  else:
+    raise ValueError(f"token dims must be [N] or [B, T], got {lead_shape}")
+  used, out = (), []
+  for dim, cands in zip(lead_shape, groups):
+    axes = mesh_utils.choose_axes(mesh, None, cands, dim, used)
+    out.append(axes)
+    used += axes
+  if expert_axis not in used:
+    return None
+  return tuple(out)
+
+
+def _dispatch_body(x, idx, w, w_gate, w_up, w_down, *, axis, n_dev, capacity):
+  """One device: dispatch, local grouped matmul, return, combine.
+
+  Args (this device's shards):
+    x: [..., D] tokens; idx, w: [..., k] global expert ids and weights.
+    w_gate, w_up: [E_l, D, F]; w_down: [E_l, F, D] local experts.
+  Returns [..., D] fp32.
+  """
+  lead, d = x.shape[:-1], x.shape[-1]
+  k = idx.shape[-1]
+  x, idx, w = x.reshape(-1, d), idx.reshape(-1, k), w.reshape(-1, k)
+  n = x.shape[0]
+  e_local = w_gate.shape[0]
+  dest = idx // e_local                                          # [n, k]
+  on_dev = dest[None] == jnp.arange(n_dev)[:, None, None]        # [P, n, k]
+  goes = jnp.any(on_dev, axis=-1)                                # [P, n]
+  # Tokens routed to d first, in token order; the first `capacity` are sent.
+  sel = jnp.argsort(~goes, axis=-1, stable=True)[:, :capacity]   # [P, cap]
+  valid = jnp.arange(capacity)[None] < jnp.sum(goes, -1)[:, None]
+  pick = lambda a: jnp.take_along_axis(a, sel[..., None], axis=1)  # noqa: E731
+  on_sel = pick(on_dev) & valid[..., None]                       # [P, cap, k]
+  local_e = jnp.broadcast_to(idx % e_local, on_dev.shape)
+  send_le = jnp.where(on_sel, pick(local_e), e_local).astype(jnp.int32)
+  send_w = jnp.where(on_sel, pick(jnp.broadcast_to(w, on_dev.shape)), 0.0)
+  send_x = jnp.take(x, sel, axis=0)                              # [P, cap, D]
+
+  a2a = lambda a: jax.lax.all_to_all(a, axis, 0, 0, tiled=True)  # noqa: E731
+  recv_x, recv_le, recv_w = a2a(send_x), a2a(send_le), a2a(send_w)
+  y = ragged_experts(recv_x.reshape(-1, d), recv_le.reshape(-1, k),
+                     recv_w.reshape(-1, k), w_gate, w_up, w_down)
+  back = a2a(y.reshape(n_dev, capacity, d))                      # [P, cap, D]
+  back = jnp.where(valid[..., None], back, 0.0)
+  out = jax.ops.segment_sum(back.reshape(-1, d), sel.reshape(-1),
+                            num_segments=n)
+  return out.reshape(*lead, d)
+
+
+def expert_parallel_experts(x, idx, w, w_gate, w_up, w_down, *, mesh=None,
+                            expert_axis: str = "expert",
+                            capacity_factor: Optional[float] = None):
+  """Routed experts split over `expert_axis` with an all-to-all dispatch.
+
+  Same values and gradients as `ragged_experts` on the gathered arrays (with
+  the default dropless capacity).
+
+  Args:
+    x: [N, D] or [B, T, D] tokens (compute dtype).
+    idx: [..., k] int expert ids in [0, E); w: [..., k] fp32 combine weights.
+    w_gate, w_up: [E, D, F]; w_down: [E, F, D]; E divisible by the axis size.
+    mesh: Mesh/AbstractMesh, None for the ambient one (jax.set_mesh).
+    expert_axis: the mesh axis the experts are split over.
+    capacity_factor: None = dropless (capacity = all local tokens); c > 0 =
+      ceil(c n k / P) rows per destination (drops tokens beyond it).
+
+  Returns:
+    [..., D] fp32, like x (and laid out like x on Explicit mesh axes).
+  """
+  mesh = mesh_utils.resolve_mesh(mesh)
+  sizes = dict(mesh.shape)
+  if expert_axis not in sizes:
+    raise ValueError(f"mesh axis {expert_axis!r} is not in the mesh {sizes}")
+  n_dev = sizes[expert_axis]
+  e = w_gate.shape[0]
+  if e % n_dev:
+    raise ValueError(f"num_experts={e} is not divisible by the "
+                     f"{expert_axis!r} axis size {n_dev}")
+  lead = x.shape[:-1]
+  if idx.shape[:-1] != lead or w.shape != idx.shape:
+    raise ValueError(f"idx and w must be [..., k] over the token dims of x "
+                     f"{x.shape}; got {idx.shape}, {w.shape}")
+  axes = token_axes(mesh, lead, expert_axis)
+  if axes is None:
+    raise ValueError(f"token dims {lead} cannot be split over the "
+                     f"{expert_axis!r} axis (size {n_dev}) of mesh {sizes}")
+  n_local = math.prod(lead) // math.prod(
+      sizes[a] for group in axes for a in group)
+  k = idx.shape[-1]
+  if capacity_factor is None:
+    capacity = n_local
+  else:
+    if not capacity_factor > 0:
+      raise ValueError(f"capacity_factor must be None or > 0, got "
+                       f"{capacity_factor!r}")
+    capacity = min(n_local, math.ceil(capacity_factor * n_local * k / n_dev))
+
+  tok = tuple(mesh_utils.spec_entry(a) for a in axes)
+  specs = (P(*tok, None), P(*tok, None), P(*tok, None),
+           P(expert_axis, None, None), P(expert_axis, None, None),
+           P(expert_axis, None, None))
+  args = (x, idx.astype(jnp.int32), w.astype(jnp.float32), w_gate, w_up,
+          w_down)
+  args = [mesh_utils.reshard(a, s, mesh) for a, s in zip(args, specs)]
+
+  def body(*xs):
+    return _dispatch_body(*xs, axis=expert_axis, n_dev=n_dev,
+                          capacity=capacity)
+
+  out = jax.shard_map(body, mesh=mesh, in_specs=specs,
+                      out_specs=P(*tok, None))(*args)
+  return mesh_utils.match_sharding(out, x, mesh)

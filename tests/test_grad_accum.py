@@ -1,0 +1,142 @@
+"""Gradient accumulation (train.microbatches) equals the full-batch step.
+
+Every microbatch routes with the old router bias and the bias update runs once
+on statistics accumulated over the microbatches, so M passes over B/M rows
+must give the loss, gradients, updated params and updated router bias of one
+pass over B rows, up to fp32 reduction order. Top-k routing ties could in
+principle flip between the two (different matmul shapes); the fixed seed
+keeps them apart, and the check of the router state would show a flip.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from conftest import load_config
+from moe_jax.config_validation import ConfigError, validate_config
+from moe_jax.model import build_model
+from moe_jax.train.optimizer import make_optimizer, make_schedule
+from moe_jax.train.step import (init_train_state, make_train_step,
+                                split_microbatches)
+
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def _record_grads() -> optax.GradientTransformation:
+  """Passes updates through and keeps them as its state (the raw grads)."""
+  return optax.GradientTransformation(
+      lambda params: jax.tree.map(jnp.zeros_like, params),
+      lambda updates, state, params=None: (updates, updates))
+
+
+def _config(balancing: str, estimator: str = "exact"):
+  # Two MLA layers with plain residuals: the smallest model with two MoE
+  # routers (compiles in seconds); the KDA layers do not see microbatches.
+  config = load_config("default.py", "tiny,smoke,all_mla,standard_residual")
+  config.model.moe.balancing = balancing
+  config.model.moe.qb_estimator = estimator
+  config.train.warmup_steps = 0  # lr > 0 at step 0, so params move
+  # Adam's first update is lr * g / (|g| + eps), so an entry's error is
+  # lr * dg / eps for small |g|: the fp32 reduction-order error dg ~ 2e-9 of
+  # a gradient entry (see _assert_tree_close) gives 6e-4 with eps = 1e-8, but
+  # 6e-8 with eps = 1e-4, under ATOL. The grads themselves are checked too.
+  config.train.eps = 1e-4
+  return config
+
+
+_RESULTS = {}  # (balancing, estimator, microbatches) -> outputs: compile once
+
+
+def _step_outputs(config, microbatches: int, batch):
+  key = (config.model.moe.balancing, config.model.moe.qb_estimator,
+         microbatches)
+  if key not in _RESULTS:
+    _RESULTS[key] = _run_step(config, microbatches, batch)
+  return _RESULTS[key]
+
+
+def _run_step(config, microbatches: int, batch):
+  model = build_model(config)
+  tx = optax.chain(_record_grads(), make_optimizer(config.train))
+  state = init_train_state(model, tx, jax.random.PRNGKey(0),
+                           config.data.seq_len)
+  step = jax.jit(make_train_step(model, tx, config.model.moe,
+                                 make_schedule(config.train),
+                                 microbatches=microbatches))
+  new_state, metrics = step(state, batch)
+  return jax.device_get((state, new_state, metrics))
+
+
+def _batch(config):
+  rng = np.random.default_rng(1)
+  shape = (config.data.batch_size, config.data.seq_len)
+  return {"inputs": rng.integers(0, 256, shape).astype(np.int32),
+          "targets": rng.integers(0, 256, shape).astype(np.int32)}
+
+
+def _assert_tree_close(a, b, what, scaled_atol=False):
+  """allclose per leaf; scaled_atol: atol = ATOL x the leaf's max |b|.
+
+  A gradient entry is a sum over tokens, so its rounding error scales with
+  the summands, not with the (possibly cancelled) result: for grads the
+  absolute tolerance is relative to the leaf's scale.
+  """
+  assert jax.tree.structure(a) == jax.tree.structure(b), what
+  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a),
+                          jax.tree.leaves(b)):
+    atol = ATOL * float(np.abs(y).max()) if scaled_atol else ATOL
+    np.testing.assert_allclose(
+        x, y, rtol=RTOL, atol=atol,
+        err_msg=f"{what}{jax.tree_util.keystr(path)}")
+
+
+@pytest.mark.parametrize("balancing,estimator,microbatches", [
+    ("qb", "exact", 2),
+    ("qb", "exact", 4),     # the running merge of thresholds over > 2 passes
+    ("qb", "histogram", 2),
+    ("sign", "exact", 2),
+])
+def test_microbatches_match_full_batch(balancing, estimator, microbatches):
+  config = _config(balancing, estimator)
+  batch = _batch(config)
+  old, full, m_full = _step_outputs(config, 1, batch)
+  _, acc, m_acc = _step_outputs(config, microbatches, batch)
+
+  np.testing.assert_allclose(m_acc["loss"], m_full["loss"], rtol=RTOL)
+  np.testing.assert_allclose(m_acc["grad_norm"], m_full["grad_norm"],
+                             rtol=RTOL)
+  # opt_state[0] of the chain is the raw gradient (see _record_grads).
+  _assert_tree_close(acc.opt_state[0], full.opt_state[0], "grads",
+                     scaled_atol=True)
+  _assert_tree_close(acc.params, full.params, "params")
+  _assert_tree_close(acc.router_state, full.router_state, "router_state")
+  for key in m_full:
+    if key.startswith("maxvio/"):  # summed loads: the same integer counts
+      np.testing.assert_allclose(m_acc[key], m_full[key], rtol=1e-6)
+  # Not vacuous: the step moved the params and the router bias.
+  assert not np.allclose(full.params["head"]["kernel"],
+                         old.params["head"]["kernel"])
+  for layer in ("layer_0_moe", "layer_1_moe"):
+    assert np.abs(full.router_state[layer]["router"]["bias"]).max() > 1e-4
+
+
+def test_split_microbatches_is_strided():
+  batch = {"inputs": np.arange(12).reshape(6, 2)}
+  out = split_microbatches(batch, 3)["inputs"]
+  assert out.shape == (3, 2, 2)
+  np.testing.assert_array_equal(out[1], [[2, 3], [8, 9]])  # rows 1 and 4
+  with pytest.raises(ValueError, match="train.microbatches=4"):
+    split_microbatches(batch, 4)
+
+
+@pytest.mark.parametrize("value,match", [
+    (0, r"train.microbatches must be in \[1, inf\]"),
+    (3, r"train.microbatches=3 must divide data.batch_size=4; allowed values: "
+        r"the divisors of 4 \(\[1, 2, 4\]\)"),
+])
+def test_bad_microbatches_error(value, match):
+  config = load_config("default.py", "tiny,smoke")
+  config.train.microbatches = value
+  with pytest.raises(ConfigError, match=match):
+    validate_config(config)

@@ -51,12 +51,18 @@ def _layer_order(key: str) -> int:
   return int(key.rsplit("_", 1)[1])
 
 
+def _one_per_step(rows: list[dict]) -> list[dict]:
+  """The last row of each step, by step: a resumed run re-logs the steps
+  between its last checkpoint and the interruption."""
+  by_step = {r["step"]: r for r in rows}
+  return [by_step[k] for k in sorted(by_step)]
+
+
 def summarize(workdir: str, name: str) -> dict:
   """The comparison row of one finished entry, from its metrics.jsonl."""
   rows = read_metrics(workdir)
-  router = [r for r in rows if r["split"] == "router"]
-  evals = [r for r in rows if r["split"] == "eval"]
-  train = [r for r in rows if r["split"] == "train"]
+  split = lambda s: _one_per_step([r for r in rows if r["split"] == s])  # noqa: E731
+  router, evals, train = split("router"), split("eval"), split("train")
   if not router or not evals:
     raise ValueError(f"{workdir} has no router/eval rows: did it train?")
   last = router[-max(1, len(router) // 5):]  # the last 20% of steps

@@ -60,3 +60,23 @@ def test_load_balancing_notebook_executes(tiny_sweep, monkeypatch):
   _, outputs = execute_notebook("02_load_balancing.ipynb")
   assert os.path.exists(os.path.join(workdir, "loads_by_strategy.png"))
   assert "strategies plotted: ['qb-exact', 'sign']" in outputs
+
+
+def test_summary_counts_each_step_once_after_a_resume(tmp_path):
+  # Steps 1..10 were logged, the run died before checkpointing step 10,
+  # resumed from step 2 and re-logged steps 3..10 with other values.
+  def router(step, v):
+    return {"split": "router", "step": step, "maxvio/moe_0": v}
+  rows = [router(s, 100.0) for s in range(1, 11)] + [
+      router(s, float(s)) for s in range(3, 11)]
+  rows += [{"split": "train", "step": s, "tokens_per_sec": 10.0}
+           for s in range(1, 11)]
+  rows += [{"split": "eval", "step": 10, "val_loss": 2.0,
+            "maxvio_global/moe_0": 0.5}]
+  with open(tmp_path / "metrics.jsonl", "w") as f:
+    f.write("\n".join(json.dumps(r) for r in rows) + "\n")
+  row = sweep.summarize(str(tmp_path), "x")
+  # 10 distinct steps: the last 20% are steps 9 and 10 (the 18 raw rows'
+  # last 20% would be steps 8..10: 9.0).
+  assert row["maxvio_batch_last20"] == 9.5
+  assert row["val_loss"] == 2.0 and row["maxvio_global"] == 0.5

@@ -26,6 +26,8 @@ jax.config.update("jax_default_matmul_precision", "highest")
 import importlib.util  # noqa: E402
 import pathlib  # noqa: E402
 
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -48,6 +50,42 @@ def load_config(name: str, arg: str | None = None):
     # tests that build their mesh on purpose (they set num_devices back).
     config.mesh.num_devices = 1
   return config
+
+
+def set_field(config, field: str, value):
+  """Sets the config entry at dotted path `field` ("train.microbatches")."""
+  node = config
+  *parents, leaf = field.split(".")
+  for p in parents:
+    node = node[p]
+  node[leaf] = value
+
+
+def assert_config_error(field: str, value, match: str,
+                        variant: str | None = "tiny,smoke"):
+  """configs/default.py (`variant`) with `field` (a dotted path) set to
+  `value` fails validate_config with a ConfigError matching `match`."""
+  from moe_jax.config_validation import ConfigError, validate_config
+  config = load_config("default.py", variant)
+  set_field(config, field, value)
+  with pytest.raises(ConfigError, match=match):
+    validate_config(config)
+
+
+def init_moe(model, x, seed=0):
+  """(params, router_state) of a MoE with init's structure, filled from numpy.
+
+  eval_shape runs the real init code for structure; numpy values avoid
+  compiling the random initialisers (seconds on a small CPU).
+  """
+  shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0), x)
+  rng = np.random.default_rng(seed)
+  params = jax.tree_util.tree_map(
+      lambda s: jnp.asarray(rng.standard_normal(s.shape) / np.sqrt(s.shape[-2]),
+                            s.dtype), shapes["params"])
+  state = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                 shapes["router_state"])
+  return params, state
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 """Config files load, variants apply, and bad values fail before compiling."""
 import pytest
 
-from conftest import load_config
+from conftest import assert_config_error, load_config
 from moe_jax.config_validation import ConfigError, validate_config
 
 
@@ -43,14 +43,7 @@ def test_unknown_variant_names_allowed_ones():
     ("train.warmup_steps", 10_000, r"train\.warmup_steps must be in"),
 ])
 def test_bad_values_name_field_and_allowed(field, value, pattern):
-  config = load_config("default.py")
-  node = config
-  *parents, leaf = field.split(".")
-  for p in parents:
-    node = node[p]
-  node[leaf] = value
-  with pytest.raises(ConfigError, match=pattern):
-    validate_config(config)
+  assert_config_error(field, value, pattern, variant=None)
 
 
 def test_qb_needs_top_k_below_num_experts():

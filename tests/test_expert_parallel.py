@@ -14,6 +14,7 @@ import pytest
 from jax.sharding import AxisType
 from flax import traverse_util
 
+from conftest import init_moe
 from moe_jax.layers.expert_parallel import (
     expert_parallel_experts, ragged_experts)
 from moe_jax.layers.moe import MoE, _loop_experts
@@ -35,18 +36,6 @@ def _moe(**kw):
   cfg = dict(d_model=D, num_experts=E, top_k=K, d_expert=F)
   cfg.update(kw)
   return MoE(**cfg)
-
-
-def _init(model, x, seed=0):
-  """(params, router_state) with init's structure, filled from numpy."""
-  shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0), x)
-  rng = np.random.default_rng(seed)
-  params = jax.tree_util.tree_map(
-      lambda s: jnp.asarray(rng.standard_normal(s.shape) / np.sqrt(s.shape[-2]),
-                            s.dtype), shapes["params"])
-  state = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype),
-                                 shapes["router_state"])
-  return params, state
 
 
 @functools.lru_cache(maxsize=None)
@@ -95,7 +84,7 @@ def test_ep_moe_matches_unsharded(name, mesh_shape, mesh_names, axis_type):
   x = jax.random.normal(jax.random.PRNGKey(1), (B, T, D))
   ct = jax.random.normal(jax.random.PRNGKey(2), (B, T, D))
   model = _moe(**CONFIGS[name])
-  params, state = _init(model, x)
+  params, state = init_moe(model, x)
   _check_equal(model, _mesh(mesh_shape, mesh_names, axis_type), params, state,
                x, ct)
 
@@ -106,7 +95,7 @@ def test_ep_worst_case_routing_is_dropless():
   x = jax.random.normal(jax.random.PRNGKey(3), (B, T, D))
   ct = jax.random.normal(jax.random.PRNGKey(4), (B, T, D))
   model = _moe(**CONFIGS["shared_qb"])
-  params, _ = _init(model, x, seed=1)
+  params, _ = init_moe(model, x, seed=1)
   state = {"router": {"bias": jnp.zeros((E,)).at[:2].set(10.0)}}
   st = _check_equal(model, _mesh((8,), ("expert",)), params, state, x, ct)
   np.testing.assert_array_equal(st["router"]["load"][:2], [B * T, B * T])
@@ -117,7 +106,7 @@ def test_fallback_when_experts_do_not_divide_the_axis():
   x = jax.random.normal(jax.random.PRNGKey(5), (B, T, D))
   ct = jax.random.normal(jax.random.PRNGKey(6), (B, T, D))
   model = _moe(num_experts=6, balancing="none")
-  params, state = _init(model, x)
+  params, state = init_moe(model, x)
   # Auto axes: the single-device dispatch is left to the compiler (under
   # Explicit axes jax 0.10 cannot infer ragged_dot's output sharding).
   _check_equal(model, _mesh((2, 4), ("data", "expert"), AxisType.Auto),

@@ -13,8 +13,7 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import load_config
-from moe_jax.config_validation import ConfigError, validate_config
+from conftest import assert_config_error, load_config
 from moe_jax.model import build_model
 from moe_jax.train.optimizer import make_optimizer, make_schedule
 from moe_jax.train.step import (init_train_state, make_train_step,
@@ -136,7 +135,4 @@ def test_split_microbatches_is_strided():
         r"the divisors of 4 \(\[1, 2, 4\]\)"),
 ])
 def test_bad_microbatches_error(value, match):
-  config = load_config("default.py", "tiny,smoke")
-  config.train.microbatches = value
-  with pytest.raises(ConfigError, match=match):
-    validate_config(config)
+  assert_config_error("train.microbatches", value, match)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
+from conftest import init_moe
 from moe_jax.layers.moe import MoE, SwiGLU
 
 B, T, D, E, K, F = 2, 8, 16, 8, 2, 12
@@ -22,22 +23,6 @@ def _moe(dispatch="ragged", **kw):
 
 def _x(seed=0, dtype=jnp.float32):
   return jax.random.normal(jax.random.PRNGKey(seed), (B, T, D), dtype)
-
-
-def _init(model, x, seed=0):
-  """(params, router_state) with init's structure, filled from numpy.
-
-  eval_shape runs the real init code for structure; numpy values avoid
-  compiling the random initialisers (seconds on a small CPU).
-  """
-  shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0), x)
-  rng = np.random.default_rng(seed)
-  params = jax.tree_util.tree_map(
-      lambda s: jnp.asarray(rng.standard_normal(s.shape) / np.sqrt(s.shape[-2]),
-                            s.dtype), shapes["params"])
-  state = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype),
-                                 shapes["router_state"])
-  return params, state
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,7 +53,7 @@ def _value_and_grad(model):
 def test_ragged_matches_loop_values_and_grads():
   x = _x()
   ragged, loop = _moe("ragged"), _moe("loop")
-  params, state = _init(ragged, x)
+  params, state = init_moe(ragged, x)
   ct = jax.random.normal(jax.random.PRNGKey(7), (B, T, D))
   (_, y_r), (gp_r, gx_r) = _value_and_grad(ragged)(params, state, x, ct)
   (_, y_l), (gp_l, gx_l) = _value_and_grad(loop)(params, state, x, ct)
@@ -84,7 +69,7 @@ def test_ragged_matches_loop_values_and_grads():
 def test_shared_expert_on_off():
   x = _x(1)
   with_shared = _moe(num_shared=2, d_shared=5)  # one SwiGLU of width 10
-  params, state = _init(with_shared, x)
+  params, state = init_moe(with_shared, x)
   chex.assert_shape(params["shared"]["gate"]["kernel"], (D, 10))
   y = _fwd(with_shared)(params, state, x)
   routed = {k: v for k, v in params.items() if k != "shared"}
@@ -100,7 +85,7 @@ def test_shared_expert_on_off():
 def test_bf16_ragged_close_to_loop():
   x = _x(2, jnp.bfloat16)
   ragged, loop = (_moe(d, dtype=jnp.bfloat16) for d in ("ragged", "loop"))
-  params, state = _init(ragged, x)
+  params, state = init_moe(ragged, x)
   y_r = _fwd(ragged)(params, state, x)
   y_l = _fwd(loop)(params, state, x)
   assert y_r.dtype == jnp.bfloat16
@@ -115,7 +100,7 @@ def test_router_state_is_not_a_param_and_gets_no_gradient():
   assert shapes["router_state"]["router"]["bias"].shape == (E,)
   param_paths = set(traverse_util.flatten_dict(shapes["params"]))
   assert not any("bias" in p for p in param_paths)
-  params, state = _init(model, x)
+  params, state = init_moe(model, x)
   _, (gp, _) = _value_and_grad(model)(params, state, x, jnp.ones((B, T, D)))
   assert set(traverse_util.flatten_dict(gp)) == param_paths
 
@@ -123,7 +108,7 @@ def test_router_state_is_not_a_param_and_gets_no_gradient():
 def test_bias_changes_routing():
   x = _x(3)
   model = _moe()
-  params, state = _init(model, x)
+  params, state = init_moe(model, x)
   _, stats = _fwd(model, True)(params, state, x)
   load = stats["router"]["load"]
   assert float(load.sum()) == B * T * K
@@ -137,7 +122,7 @@ def test_bias_changes_routing():
 def test_stats_emitted_only_when_mutable():
   x = _x()
   model = _moe()
-  params, state = _init(model, x)
+  params, state = init_moe(model, x)
   y = _fwd(model)(params, state, x)  # eval path: no router_stats needed
   y2, stats = _fwd(model, True)(params, state, x)
   np.testing.assert_allclose(y, y2)
@@ -151,7 +136,7 @@ def test_aux_loss_emitted_and_differentiable():
   x = _x(4)
   coef = 0.1
   model = _moe(balancing="aux", aux_loss_coef=coef)
-  params, state = _init(model, x)
+  params, state = init_moe(model, x)
 
   @jax.jit
   @jax.value_and_grad
@@ -184,7 +169,7 @@ def test_latent_experts_with_identity_projection_equal_plain_moe(dispatch):
   x = _x(3)
   plain = _moe(dispatch)
   latent = _moe(dispatch, expert_latent_dim=D)
-  params, state = _init(plain, x, seed=4)
+  params, state = init_moe(plain, x, seed=4)
   lat_params = dict(params)
   lat_params["latent_down"] = {"kernel": jnp.eye(D)}
   lat_params["latent_up"] = {"kernel": jnp.eye(D)}
@@ -204,5 +189,6 @@ def test_latent_experts_shrink_expert_params():
   assert shapes["w_down"].shape == (E, F, 4)
   assert shapes["latent_down"]["kernel"].shape == (D, 4)
   assert shapes["latent_up"]["kernel"].shape == (4, D)
-  y = _fwd(_moe(expert_latent_dim=4))(*_init(_moe(expert_latent_dim=4), x), x)
+  model = _moe(expert_latent_dim=4)
+  y = _fwd(model)(*init_moe(model, x), x)
   assert y.shape == x.shape and np.all(np.isfinite(y))

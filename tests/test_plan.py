@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
 
-from conftest import ROOT, load_config
+from conftest import ROOT, load_config, set_field
 from moe_jax import planning
 from moe_jax.config_validation import validate_config
 from moe_jax.model import build_model
@@ -65,11 +65,7 @@ def closed_form(config):
 def _tiny(extra=None):
   config = load_config("default.py", "tiny")
   for path, value in (extra or {}).items():
-    node = config
-    *parents, leaf = path.split(".")
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
+    set_field(config, path, value)
   validate_config(config)
   return config
 

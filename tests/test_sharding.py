@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from conftest import load_config
+from conftest import assert_config_error, load_config
 from moe_jax import sharding
 from moe_jax.config_validation import ConfigError, validate_config
 from moe_jax.model import build_model
@@ -64,6 +64,29 @@ def setup():
   return config, model, tx, state, batch, reference
 
 
+def _state_shardings(setup, mesh):
+  """The train state's shardings on `mesh` under config.mesh.rules."""
+  config, model, tx = setup[:3]
+  return train_state_shardings(
+      abstract_train_state(model, tx, jax.random.PRNGKey(0),
+                           config.data.seq_len), tx, mesh, config.mesh.rules)
+
+
+def _sharded_step(setup, mesh, microbatches=1, **jit_kwargs):
+  """(state shardings, batch shardings, jitted train step) on `mesh`."""
+  config, model, tx, _, batch, _ = setup
+  state_sh = _state_shardings(setup, mesh)
+  batch_sh = sharding.batch_sharding(mesh, config.mesh.rules,
+                                     batch["inputs"].shape)
+  train_step = make_train_step(model, tx, config.model.moe,
+                               make_schedule(config.train),
+                               microbatches=microbatches)
+  step = sharding.jit_in_mesh(
+      train_step, mesh, in_shardings=(state_sh, batch_sh),
+      out_shardings=(state_sh, sharding.replicated(mesh)), **jit_kwargs)
+  return state_sh, batch_sh, step
+
+
 def _padded(spec, ndim):
   """A PartitionSpec as ndim entries (trailing Nones made explicit)."""
   return tuple(spec) + (None,) * (ndim - len(spec))
@@ -80,20 +103,10 @@ def _assert_tree_close(actual, desired, what):
 
 @pytest.mark.parametrize("sizes", MESHES, ids=lambda s: "x".join(map(str, s)))
 def test_train_step_on_mesh_matches_single_device(setup, sizes):
-  config, model, tx, state, batch, (ref_state, ref_metrics) = setup
+  _, _, _, state, batch, (ref_state, ref_metrics) = setup
   mesh = sharding.make_mesh(_mesh_cfg(sizes))
   assert dict(mesh.shape) == dict(zip(AXES, sizes))
-  rules = config.mesh.rules
-  state_sh = train_state_shardings(
-      abstract_train_state(model, tx, jax.random.PRNGKey(0),
-                           config.data.seq_len), tx, mesh, rules)
-  batch_sh = sharding.batch_sharding(mesh, rules, batch["inputs"].shape)
-  step = sharding.jit_in_mesh(
-      make_train_step(model, tx, config.model.moe,
-                      make_schedule(config.train)), mesh,
-      in_shardings=(state_sh, batch_sh),
-      out_shardings=(state_sh, sharding.replicated(mesh)),
-      donate_argnums=(0,))
+  state_sh, batch_sh, step = _sharded_step(setup, mesh, donate_argnums=(0,))
   sharded_state = jax.device_put(state, state_sh)
   sharded_batch = sharding.shard_batch(batch, batch_sh,
                                        batch["inputs"].shape[0])
@@ -134,18 +147,9 @@ def test_train_step_on_mesh_matches_single_device(setup, sizes):
 def test_microbatches_on_mesh_match_single_device(setup):
   """Gradient accumulation under sharding: the strided microbatch split keeps
   every device busy and the result is still the full-batch step."""
-  config, model, tx, state, batch, (ref_state, ref_metrics) = setup
+  _, _, _, state, batch, (ref_state, ref_metrics) = setup
   mesh = sharding.make_mesh(_mesh_cfg((2, 1, 2, 2, 1)))
-  rules = config.mesh.rules
-  state_sh = train_state_shardings(
-      abstract_train_state(model, tx, jax.random.PRNGKey(0),
-                           config.data.seq_len), tx, mesh, rules)
-  batch_sh = sharding.batch_sharding(mesh, rules, batch["inputs"].shape)
-  step = sharding.jit_in_mesh(
-      make_train_step(model, tx, config.model.moe,
-                      make_schedule(config.train), microbatches=2), mesh,
-      in_shardings=(state_sh, batch_sh),
-      out_shardings=(state_sh, sharding.replicated(mesh)))
+  state_sh, batch_sh, step = _sharded_step(setup, mesh, microbatches=2)
   new_state, metrics = jax.device_get(step(
       jax.device_put(state, state_sh),
       sharding.shard_batch(batch, batch_sh, batch["inputs"].shape[0])))
@@ -185,9 +189,7 @@ def test_loop_resumes_on_another_mesh(tmp_path):
 def test_sharded_init_equals_unsharded_init(setup):
   config, model, tx, state, _, _ = setup
   mesh = sharding.make_mesh(_mesh_cfg((1, 2, 2, 2, 1)))
-  state_sh = train_state_shardings(
-      abstract_train_state(model, tx, jax.random.PRNGKey(0),
-                           config.data.seq_len), tx, mesh, config.mesh.rules)
+  state_sh = _state_shardings(setup, mesh)
   sharded = init_train_state(model, tx, jax.random.PRNGKey(0),
                              config.data.seq_len, shardings=state_sh)
   assert _padded(sharded.params["embed"]["embedding"].sharding.spec, 2) == (
@@ -289,18 +291,12 @@ def test_bad_mesh_sizes_error(field, value, match):
                     r"mesh_axes\) pairs"),
 ])
 def test_bad_mesh_rules_error(rules, match):
-  config = load_config("default.py", "tiny,smoke")
-  config.mesh.rules = rules
-  with pytest.raises(ConfigError, match=match):
-    validate_config(config)
+  assert_config_error("mesh.rules", rules, match)
 
 
 def test_bad_mesh_size_in_config_errors():
-  config = load_config("default.py", "tiny,smoke")
-  config.mesh.data = 0
-  with pytest.raises(ConfigError, match=r"mesh.data must be -1 \(all "
-                     r"devices the other axes leave\) or an integer"):
-    validate_config(config)
+  assert_config_error("mesh.data", 0, r"mesh.data must be -1 \(all devices "
+                      r"the other axes leave\) or an integer")
 
 
 def test_multihost_settings():

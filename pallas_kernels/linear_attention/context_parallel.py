@@ -65,7 +65,7 @@ columns (the "auto" backend falls back to XLA when it does not).
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Iterable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -80,11 +80,12 @@ DEFAULT_HEAD_AXES = ("tensor",)
 
 
 # ---------------------------------------------------------------------------
-# Mesh helpers (kept here: pallas_kernels never imports moe_jax).
+# Mesh helpers (kept here: pallas_kernels never imports moe_jax; the public
+# ones are re-exported by moe_jax.layers.mesh_utils).
 # ---------------------------------------------------------------------------
 
 
-def _resolve_mesh(mesh):
+def resolve_mesh(mesh=None):
   """The given mesh, else the ambient one (`jax.set_mesh`); may be empty."""
   return jax.sharding.get_abstract_mesh() if mesh is None else mesh
 
@@ -93,12 +94,21 @@ def _axis_sizes(mesh) -> dict:
   return dict(mesh.shape)
 
 
-def _choose_axes(mesh, given, candidates, dim: int, exclude) -> tuple:
+def choose_axes(mesh, given, candidates: Iterable[str], dim: int,
+                exclude: Sequence[str] = ()) -> tuple:
   """Mesh axes (in order) to split an array dim of size `dim` over.
 
-  given: None = greedily take the `candidates` present in the mesh with size
-  > 1 whose running product divides dim (mesh order); else a str/tuple of
-  axis names, validated (present, unused, product divides dim).
+  Args:
+    mesh: Mesh or AbstractMesh.
+    given: None = greedily take the `candidates` present in the mesh with
+      size > 1 whose running product divides `dim` (in mesh order); else a
+      str or tuple of axis names, validated (present, unused, product divides
+      dim).
+    candidates: default axis names (used when given is None).
+    dim: size of the array dim to split.
+    exclude: axes already used for another dim.
+  Returns:
+    A tuple of axis names (possibly empty).
   """
   sizes = _axis_sizes(mesh)
   if given is None:
@@ -123,13 +133,15 @@ def _choose_axes(mesh, given, candidates, dim: int, exclude) -> tuple:
   return given
 
 
-def _spec_entry(axes: tuple):
+def spec_entry(axes: Sequence[str]):
+  """PartitionSpec entry for a tuple of axes: None, one name, or the tuple."""
+  axes = tuple(axes)
   if not axes:
     return None
   return axes[0] if len(axes) == 1 else axes
 
 
-def _reshard(x, spec, mesh):
+def reshard(x, spec, mesh):
   """Puts x in `spec` where the mesh has Explicit axes (shard_map demands it).
 
   With Auto axes shard_map inserts the resharding itself; `jax.reshard`
@@ -146,7 +158,7 @@ def _reshard(x, spec, mesh):
       return None
     names = (entry,) if isinstance(entry, str) else tuple(entry)
     names = tuple(n for n in names if n in explicit)
-    return _spec_entry(names)
+    return spec_entry(names)
 
   spec = P(*(keep(e) for e in spec))
   target = (NamedSharding(mesh, spec) if isinstance(mesh, jax.sharding.Mesh)
@@ -154,7 +166,7 @@ def _reshard(x, spec, mesh):
   return jax.reshard(x, target)
 
 
-def _vary_like(x, ref):
+def vary_like(x, ref):
   """x typed to vary over the same manual mesh axes as ref (shard_map vma).
 
   Constants built inside the body (zero / identity states) are invariant
@@ -208,7 +220,7 @@ def _exchange(mat, add, s0, axis, *, diagonal):
   """
   mats = jax.lax.all_gather(mat, axis)
   adds = jax.lax.all_gather(add, axis)
-  s_in, s_final = _fold_states(mats, adds, _vary_like(s0, adds),
+  s_in, s_final = _fold_states(mats, adds, vary_like(s0, adds),
                                diagonal=diagonal)
   idx = jax.lax.axis_index(axis)
   s_in = jax.lax.dynamic_index_in_dim(s_in, idx, 0, keepdims=False)
@@ -281,7 +293,7 @@ def _context_parallel(kind, q, k, v, g, beta, *, mesh, axis, scale,
   # Global validation first (clear errors before any tracing of shard_map).
   # pylint: disable-next=protected-access
   g_min = ops._validate(q, k, v, g, beta, initial_state, chunk_size, g_min)
-  mesh = _resolve_mesh(mesh)
+  mesh = resolve_mesh(mesh)
   sizes = _axis_sizes(mesh)
   if axis not in sizes:
     raise ValueError(f"{kind}_context_parallel: mesh axis {axis!r} not in the "
@@ -298,11 +310,11 @@ def _context_parallel(kind, q, k, v, g, beta, *, mesh, axis, scale,
     raise ValueError(f"{kind}_context_parallel: sequence length T={t} is not "
                      f"divisible by the {axis!r} axis size {n_dev}")
 
-  b_axes = _choose_axes(mesh, batch_axes, DEFAULT_BATCH_AXES, bsz, (axis,))
-  h_axes = _choose_axes(mesh, head_axes, DEFAULT_HEAD_AXES, h,
-                        (axis,) + b_axes)
+  b_axes = choose_axes(mesh, batch_axes, DEFAULT_BATCH_AXES, bsz, (axis,))
+  h_axes = choose_axes(mesh, head_axes, DEFAULT_HEAD_AXES, h,
+                       (axis,) + b_axes)
   manual = frozenset((axis,) + b_axes + h_axes)
-  bs, hs = _spec_entry(b_axes), _spec_entry(h_axes)
+  bs, hs = spec_entry(b_axes), spec_entry(h_axes)
   tok = P(bs, axis, hs, None)                   # [B, T, H, *]
   state = P(bs, hs, None, None)                 # initial / final state
   stacked = P(axis, bs, hs, None, None)         # per-device maps [P, B, H, ...]
@@ -318,7 +330,7 @@ def _context_parallel(kind, q, k, v, g, beta, *, mesh, axis, scale,
     local = functools.partial(_kda_local, scale=scale, op_kw=op_kw)
     args, specs = [q, k, v, g, beta], [tok] * 4 + [P(bs, axis, hs)]
     mat_spec = stacked
-  args = [_reshard(x, s, mesh) for x, s in zip(args, specs)]
+  args = [reshard(x, s, mesh) for x, s in zip(args, specs)]
   o_loc, qp, mat, add = jax.shard_map(
       local, mesh=mesh, in_specs=tuple(specs),
       out_specs=(tok, tok, mat_spec, stacked), axis_names=manual,
@@ -327,7 +339,7 @@ def _context_parallel(kind, q, k, v, g, beta, *, mesh, axis, scale,
   # Phase 2: exchange and correction (no kernels; vma-checked collectives).
   args, specs = [o_loc, qp, mat, add], [tok, tok, mat_spec, stacked]
   if initial_state is not None:
-    args.append(_reshard(initial_state, state, mesh))
+    args.append(reshard(initial_state, state, mesh))
     specs.append(state)
 
   def combine(o_loc, qp, mat, add, s0=None):
@@ -392,4 +404,5 @@ def kda_context_parallel(q, k, v, g, beta, *, mesh=None, axis: str = "context",
       g_min=g_min, batch_axes=batch_axes, head_axes=head_axes)
 
 
-__all__ = ["gla_context_parallel", "kda_context_parallel"]
+__all__ = ["gla_context_parallel", "kda_context_parallel", "choose_axes",
+           "spec_entry", "resolve_mesh", "reshard", "vary_like"]

@@ -77,33 +77,36 @@ def profile(x, bounded, block_k, iters, interpret=False):
   dsfp = jnp.zeros_like(s0p)
   c = {}
   f = jax.jit(functools.partial(kp._wu_call, lay=lay, bounded=bounded,  # pylint: disable=protected-access
-                                interpret=interpret))
+                                interpret=interpret, for_backward=True))
   c["prepare (XLA cumsum, pads)"] = _median_ms(
       lambda: prep(q, k, v, g, beta, s0), iters)
-  c["1 wu (Lk, inverse, W, U)"] = _median_ms(
-      lambda: f(kp_, bp, betap, vp), iters)
-  w, u = f(kp_, bp, betap, vp)
+  c["1 intra (Aqk, Lk, M, W, U)"] = _median_ms(
+      lambda: f(qp, kp_, bp, betap, vp), iters)
+  w, u, aqk, m, lk = f(qp, kp_, bp, betap, vp)
   f = jax.jit(functools.partial(kp._state_call, lay=lay, interpret=interpret))  # pylint: disable=protected-access
   c["2 state pass"] = _median_ms(lambda: f(w, u, kp_, bp, s0p), iters)
   states, v_new, _ = f(w, u, kp_, bp, s0p)
   f = jax.jit(functools.partial(kp._output_call, lay=lay, scale=scale,  # pylint: disable=protected-access
-                                bounded=bounded, dtype=v.dtype,
-                                interpret=interpret))
-  c["3 output"] = _median_ms(lambda: f(qp, kp_, v_new, bp, states), iters)
+                                dtype=v.dtype, interpret=interpret))
+  c["3 output"] = _median_ms(lambda: f(qp, bp, aqk, v_new, states), iters)
   f = jax.jit(functools.partial(kp._dvintra_call, lay=lay, scale=scale,  # pylint: disable=protected-access
-                                bounded=bounded, interpret=interpret))
-  c["b1 dv_intra"] = _median_ms(lambda: f(qp, kp_, bp, dop), iters)
-  dvi = f(qp, kp_, bp, dop)
+                                interpret=interpret))
+  c["b1 dv_intra"] = _median_ms(lambda: f(aqk, dop), iters)
+  dvi = f(aqk, dop)
   f = jax.jit(functools.partial(kp._dstate_call, lay=lay, scale=scale,  # pylint: disable=protected-access
                                 interpret=interpret))
   c["b2 dstate pass"] = _median_ms(
       lambda: f(qp, kp_, bp, w, dop, dvi, dsfp), iters)
   dstates, dv_new, _ = f(qp, kp_, bp, w, dop, dvi, dsfp)
-  f = jax.jit(functools.partial(kp._grad_call, lay=lay, scale=scale,  # pylint: disable=protected-access
-                                bounded=bounded, dtype=v.dtype,
-                                interpret=interpret))
-  c["b3 grad"] = _median_ms(lambda: f(
-      qp, kp_, bp, betap, vp, dop, v_new, dv_new, states, dstates), iters)
+  f = jax.jit(functools.partial(kp._grad_v_call, lay=lay, scale=scale,  # pylint: disable=protected-access
+                                dtype=v.dtype, interpret=interpret))
+  c["b3 grad_v (dv, dU', dA, dL)"] = _median_ms(
+      lambda: f(m, lk, betap, vp, dop, v_new, dv_new), iters)
+  _, du, da, dlk, _ = f(m, lk, betap, vp, dop, v_new, dv_new)
+  f = jax.jit(functools.partial(kp._grad_k_call, lay=lay, scale=scale,  # pylint: disable=protected-access
+                                bounded=bounded, interpret=interpret))
+  c["b4 grad_k (dq, dk, dg)"] = _median_ms(lambda: f(
+      qp, kp_, bp, betap, dop, v_new, du, da, dlk, states, dstates), iters)
 
   g_min = -5.0 if bounded else None
   run = lambda *a: kp.kda_pallas(  # noqa: E731

@@ -222,25 +222,32 @@ def _pair_decay(b_t, mask):
   return jnp.exp(jnp.where(mask[:, :, None], diff, -jnp.inf))
 
 
-def _slice_scores(x_t, y_t, b, c, mask, bounded, mm):
-  """One K slice's part of P_ij = sum_d x_id y_jd exp(b_id - b_jd), j <= i.
+def _slice_scores(xs, y_t, b, c, mask, bounded, mm):
+  """One K slice's part of P_ij = sum_d x_id y_jd exp(b_id - b_jd), j <= i,
+  for every x in `xs` against the same keys y.
 
-  x_t, y_t, b: 4 x [16, w] fp32 tiles; c: 4 x [1, w] anchors. Returns
-  {(i, j): [16, 16]}. Dense tiles are anchored at c_i (query factor <= 1; key
-  factor <= 1 off the diagonal); the diagonal tile of the unbounded path is
-  computed on position pairs with `mask` in the exponent. The caller masks
-  the diagonal tiles of the bounded path (after summing the slices).
+  xs: list of 4 x [16, w] fp32 tile lists; y_t, b: 4 x [16, w] fp32 tiles;
+  c: 4 x [1, w] anchors. Returns one {(i, j): [16, 16]} per x. Dense tiles
+  are anchored at c_i (query factor <= 1; key factor <= 1 off the diagonal);
+  the decayed key tile is built once per (i, j) and shared by every x. The
+  diagonal tile of the unbounded path is computed on position pairs with
+  `mask` in the exponent. The caller masks the diagonal tiles (after summing
+  the slices).
   """
-  out = {}
+  outs = [{} for _ in xs]
   for i in range(N_TILES):
-    x_dec = x_t[i] * jnp.exp(b[i] - c[i])                     # <= 1
+    x_scale = jnp.exp(b[i] - c[i])                            # <= 1
+    x_dec = [x_t[i] * x_scale for x_t in xs]
     for j in range(i + 1):
       if j == i and not bounded:
-        out[i, i] = jnp.sum(x_t[i][:, None, :] * y_t[i][None, :, :]
-                            * _pair_decay(b[i], mask), axis=-1)
+        yp = y_t[i][None, :, :] * _pair_decay(b[i], mask)     # [16, 16, w]
+        for out, x_t in zip(outs, xs):
+          out[i, i] = jnp.sum(x_t[i][:, None, :] * yp, axis=-1)
       else:
-        out[i, j] = _dot(x_dec, y_t[j] * jnp.exp(c[i] - b[j]), _NT, mm)
-  return out
+        y_dec = y_t[j] * jnp.exp(c[i] - b[j])
+        for out, xd in zip(outs, x_dec):
+          out[i, j] = _dot(xd, y_dec, _NT, mm)
+  return outs
 
 
 def _accumulate(acc, part):
@@ -285,38 +292,55 @@ def _beta_tiles(beta_ref):
                                    (TILE, 1), (0,)) for t in range(N_TILES)]
 
 
-def _lk_tiles(k_ref, b_ref, k_slices, bounded, mm):
-  """Lk tiles (strictly lower, without beta), summed over the K slices."""
-  row, col = _tile_iota()
-  strict = row > col
-  lk = {}
-  for cols in k_slices:
-    b, c, _ = _decay_tiles(b_ref, cols)
-    k_t = [k_ref[_rows(t), cols].astype(_F32) for t in range(N_TILES)]
-    _accumulate(lk, _slice_scores(k_t, k_t, b, c, strict, bounded, mm))
-  for i in range(N_TILES):
-    lk[i, i] = jnp.where(strict, lk[i, i], 0.0)
-  return lk
-
-
 def _k_slices(d, bk):
   return [pl.ds(kk * bk, bk) for kk in range(d // bk)]
 
 
+def _store_tiles(ref, tiles):
+  """Writes {(i, j): [16, 16]} tiles (j <= i) into a [C, C] block; the tiles
+  above the diagonal are written as zeros, so the block is a dense lower
+  triangular matrix that later kernels use in single [C, C] dots."""
+  zero = jnp.zeros((TILE, TILE), ref.dtype)
+  for i in range(N_TILES):
+    for j in range(N_TILES):
+      t = tiles[i, j].astype(ref.dtype) if j <= i else zero
+      ref[_rows(i), pl.ds(j * TILE, TILE)] = t
+
+
 # ---------------------------------------------------------------------------
-# Kernel 1: W and U per chunk, parallel over chunks.
+# Kernel 1: the chunk's matrices (Aqk, M, Lk), W and U, parallel over chunks.
 # ---------------------------------------------------------------------------
 
 
-def _intra_kernel(k_ref, b_ref, beta_ref, v_ref, w_ref, u_ref, *, bk, bv,
-                  bounded, mm):
-  # k_ref, b_ref, w_ref [C, Kp]; beta_ref [C]; v_ref, u_ref [C, V].
+def _intra_kernel(q_ref, k_ref, b_ref, beta_ref, v_ref, w_ref, u_ref, aqk_ref,
+                  *grad_refs, bk, bv, bounded, mm):
+  # q_ref, k_ref, b_ref, w_ref [C, Kp]; beta_ref [C]; v_ref, u_ref [C, V];
+  # aqk_ref [C, C] (matmul dtype); grad_refs: (m_ref [C, C] matmul dtype,
+  # lk_ref [C, C] fp32) when the backward needs them, else ().
   row, col = _tile_iota()
+  causal, strict = row >= col, row > col
   beta_t = _beta_tiles(beta_ref)
   k_slices = _k_slices(k_ref.shape[-1], bk)
-  lk = _lk_tiles(k_ref, b_ref, k_slices, bounded, mm)
+  # One walk over K for Lk and Aqk: the decayed key tiles are shared.
+  lk, aqk = {}, {}
+  for cols in k_slices:
+    b, c, _ = _decay_tiles(b_ref, cols)
+    k_t = [k_ref[_rows(t), cols].astype(_F32) for t in range(N_TILES)]
+    q_t = [q_ref[_rows(t), cols].astype(_F32) for t in range(N_TILES)]
+    lk_s, aqk_s = _slice_scores([k_t, q_t], k_t, b, c, causal, bounded, mm)
+    _accumulate(lk, lk_s)
+    _accumulate(aqk, aqk_s)
+  for i in range(N_TILES):
+    # where, not a product: masked overflow cannot leak.
+    lk[i, i] = jnp.where(strict, lk[i, i], 0.0)
+    aqk[i, i] = jnp.where(causal, aqk[i, i], 0.0)
+  _store_tiles(aqk_ref, aqk)
   mt = _inverse_tiles({(i, j): beta_t[i] * l for (i, j), l in lk.items()},
                       row, col)
+  if grad_refs:
+    m_ref, lk_ref = grad_refs
+    _store_tiles(m_ref, mt)
+    _store_tiles(lk_ref, lk)
 
   # W = M (beta k exp(b)), slice by slice of K.
   for cols in k_slices:
@@ -365,47 +389,18 @@ def _state_kernel(w_ref, u_ref, k_ref, b_ref, s0_ref, states_ref, vnew_ref,
 
 
 # ---------------------------------------------------------------------------
-# Kernel 3: outputs, parallel over chunks.
+# Kernel 3: outputs, parallel over chunks (two dense dots per chunk).
 # ---------------------------------------------------------------------------
 
 
-def _aqk_tiles(q_ref, k_ref, b_ref, k_slices, bounded, mm, inter=None):
-  """Aqk tiles (causal), summed over K slices.
-
-  inter: optional (s_ref, acc) to also accumulate (q exp(b)) S per query
-  tile in the same walk over K (acc: list of 4, filled in place).
-  """
-  row, col = _tile_iota()
-  causal = row >= col
-  aqk = {}
-  for cols in k_slices:
-    b, c, _ = _decay_tiles(b_ref, cols)
-    q_t = [q_ref[_rows(t), cols].astype(_F32) for t in range(N_TILES)]
-    k_t = [k_ref[_rows(t), cols].astype(_F32) for t in range(N_TILES)]
-    if inter is not None:
-      s_ref, acc = inter
-      s = s_ref[cols, :]
-      for i in range(N_TILES):
-        part = _dot(q_t[i] * jnp.exp(b[i]), s, mm=mm)     # (q exp(b)) S
-        acc[i] = part if acc[i] is None else acc[i] + part
-    _accumulate(aqk, _slice_scores(q_t, k_t, b, c, causal, bounded, mm))
-  for i in range(N_TILES):
-    # where, not a product: masked overflow cannot leak.
-    aqk[i, i] = jnp.where(causal, aqk[i, i], 0.0)
-  return aqk
-
-
-def _output_kernel(q_ref, k_ref, vnew_ref, b_ref, s_ref, o_ref, *, scale,
-                   bk, bounded, mm):
-  # q_ref, k_ref, b_ref [C, Kp]; vnew_ref, o_ref [C, BV]; s_ref [Kp, BV].
-  acc = [None] * N_TILES                      # [16, BV] per query tile
-  aqk = _aqk_tiles(q_ref, k_ref, b_ref, _k_slices(q_ref.shape[-1], bk),
-                   bounded, mm, inter=(s_ref, acc))
-  for i in range(N_TILES):
-    out = acc[i]
-    for j in range(i + 1):
-      out = out + _dot(aqk[i, j], vnew_ref[_rows(j), :], mm=mm)
-    o_ref[_rows(i), :] = (scale * out).astype(o_ref.dtype)
+def _output_kernel(q_ref, b_ref, aqk_ref, vnew_ref, s_ref, o_ref, *, scale,
+                   mm):
+  # q_ref, b_ref [C, Kp]; aqk_ref [C, C]; vnew_ref, o_ref [C, BV];
+  # s_ref [Kp, BV]. O = scale ((q exp(b)) S + Aqk V'), exp(b) <= 1.
+  q_dec = q_ref[...].astype(_F32) * jnp.exp(b_ref[...].astype(_F32))
+  out = _dot(q_dec, s_ref[...], mm=mm) + _dot(aqk_ref[...], vnew_ref[...],
+                                               mm=mm)
+  o_ref[...] = (scale * out).astype(o_ref.dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -413,17 +408,9 @@ def _output_kernel(q_ref, k_ref, vnew_ref, b_ref, s_ref, o_ref, *, scale,
 # ---------------------------------------------------------------------------
 
 
-def _dvintra_kernel(q_ref, k_ref, b_ref, do_ref, out_ref, *, scale, bk,
-                    bounded, mm):
-  # q_ref, k_ref, b_ref [C, Kp]; do_ref, out_ref [C, BV]: scale Aqk^T dO.
-  aqk = _aqk_tiles(q_ref, k_ref, b_ref, _k_slices(q_ref.shape[-1], bk),
-                   bounded, mm)
-  dos = [do_ref[_rows(i), :] for i in range(N_TILES)]
-  for j in range(N_TILES):
-    out = _dot(aqk[j, j], dos[j], _TN, mm)
-    for i in range(j + 1, N_TILES):
-      out = out + _dot(aqk[i, j], dos[i], _TN, mm)
-    out_ref[_rows(j), :] = scale * out
+def _dvintra_kernel(aqk_ref, do_ref, out_ref, *, scale, mm):
+  # aqk_ref [C, C]; do_ref, out_ref [C, BV]: scale Aqk^T dO, one dense dot.
+  out_ref[...] = scale * _dot(aqk_ref[...], do_ref[...], _TN, mm)
 
 
 def _dstate_kernel(q_ref, k_ref, b_ref, w_ref, do_ref, dvi_ref, dsfin_ref,
@@ -448,112 +435,125 @@ def _dstate_kernel(q_ref, k_ref, b_ref, w_ref, do_ref, dvi_ref, dsfin_ref,
                                    dsfin_ref[...].astype(_F32))
 
 
-def _grad_kernel(q_ref, k_ref, b_ref, beta_ref, v_ref, do_ref, vn_ref,
-                 dvn_ref, s_ref, dh_ref, dq_ref, dk_ref, db_ref, dv_ref,
-                 dbeta_ref, *, scale, bk, bounded, mm):
-  # q_ref, k_ref, b_ref [C, Kp]; beta_ref [C]; v_ref, do_ref, vn_ref (V'),
-  # dvn_ref (dV'), dv_ref [C, BV]; s_ref (state entering), dh_ref (grad of
-  # the state leaving) [Kp, BV]; dq_ref, dk_ref, db_ref [C, Kp] and
-  # dbeta_ref [C], fp32: this V block's partial sums.
-  row, col = _tile_iota()
-  causal, strict = row >= col, row > col
-  beta_t = _beta_tiles(beta_ref)
-  k_slices = _k_slices(q_ref.shape[-1], bk)
-
-  # Pass 1 over K: Lk, then M = (I + beta Lk)^-1.
-  lk = _lk_tiles(k_ref, b_ref, k_slices, bounded, mm)
-  mt = _inverse_tiles({(i, j): beta_t[i] * l for (i, j), l in lk.items()},
-                      row, col)
-
-  dvn = [dvn_ref[_rows(i), :] for i in range(N_TILES)]
-  vn = [vn_ref[_rows(i), :] for i in range(N_TILES)]
-  dos = [do_ref[_rows(i), :] for i in range(N_TILES)]
-  # dU' = M^T dV' (M lower: tile j sums i >= j); dv = beta dU'.
-  du, dbeta = [], []
-  for j in range(N_TILES):
-    acc = _dot(mt[j, j], dvn[j], _TN, mm)
-    for i in range(j + 1, N_TILES):
-      acc = acc + _dot(mt[i, j], dvn[i], _TN, mm)
-    du.append(acc)
-    dv_ref[_rows(j), :] = (beta_t[j] * acc).astype(dv_ref.dtype)
-    dbeta.append(jnp.sum(acc * v_ref[_rows(j), :].astype(_F32), axis=1))
+def _grad_v_kernel(m_ref, lk_ref, beta_ref, v_ref, do_ref, vn_ref, dvn_ref,
+                   dv_ref, du_ref, da_ref, dlk_ref, dbeta_ref, *, scale, bv,
+                   mm):
+  # m_ref [C, C] (M, matmul dtype); lk_ref [C, C] fp32; beta_ref [C];
+  # v_ref, do_ref, vn_ref (V'), dvn_ref (dV'), dv_ref, du_ref [C, V];
+  # da_ref, dlk_ref [C, C] fp32; dbeta_ref [C] fp32 (the V-side part).
+  # All of V is walked here in bv-column blocks, so dAqk and dL (sums over
+  # V) are complete and the K-side kernel runs once per K slice.
+  c = CHUNK
+  row = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
+  col = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
+  beta = jax.lax.broadcast_in_dim(beta_ref[...].astype(_F32), (c, 1), (0,))
+  m = m_ref[...]
+  dl = da = dbeta = None
+  for cv in range(0, v_ref.shape[-1], bv):
+    cols = pl.ds(cv, bv)
+    du = _dot(m, dvn_ref[:, cols], _TN, mm)          # dU' = M^T dV'
+    du_ref[:, cols] = du
+    dv_ref[:, cols] = (beta * du).astype(dv_ref.dtype)
+    vn = vn_ref[:, cols]
+    part_b = jnp.sum(du * v_ref[:, cols].astype(_F32), axis=1)
+    part_l = _dot(du, vn, _NT, mm)
+    part_a = _dot(do_ref[:, cols], vn, _NT, mm)
+    if dl is None:
+      dbeta, dl, da = part_b, part_l, part_a
+    else:
+      dbeta, dl, da = dbeta + part_b, dl + part_l, da + part_a
   # dL = -strict(dU' V'^T), dLk = beta dL; dAqk = scale causal(dO V'^T).
-  dlk, da = {}, {}
-  for i in range(N_TILES):
-    for j in range(i + 1):
-      dl = -_dot(du[i], vn[j], _NT, mm)
-      d_a = scale * _dot(dos[i], vn[j], _NT, mm)
-      if j == i:
-        dl = jnp.where(strict, dl, 0.0)
-        d_a = jnp.where(causal, d_a, 0.0)
-      dbeta[i] = dbeta[i] + jnp.sum(dl * lk[i, j], axis=1)
-      dlk[i, j] = beta_t[i] * dl
-      da[i, j] = d_a
+  dl = -jnp.where(row > col, dl, 0.0)
+  dbeta_ref[...] = dbeta + jnp.sum(dl * lk_ref[...], axis=1)
+  dlk_ref[...] = beta * dl
+  da_ref[...] = scale * jnp.where(row >= col, da, 0.0)
 
-  # Pass 2 over K: this slice's dq, dk, dL/db. dL/db = q dq + k (dk_+b -
-  # dk_-b), formed term by term: a tile pair's contribution to the query
-  # side and to the key side is multiplied by the SAME rounded dot operands
-  # (x_dec, y_dec in the matmul dtype), so that the two sides cancel in the
-  # within-chunk reverse cumsum as exactly as they do in exact arithmetic
-  # (q dq and k dk computed separately leave bf16-rounding residues: bounded
-  # path, bf16, T=130, K=V=32: dg relative error 1.7e-2 instead of 4.0e-3).
-  for cols in k_slices:
-    b, c, b_last = _decay_tiles(b_ref, cols)
-    s, dh = s_ref[cols, :], dh_ref[cols, :]
-    q_t = [q_ref[_rows(t), cols].astype(_F32) for t in range(N_TILES)]
-    k_t = [k_ref[_rows(t), cols].astype(_F32) for t in range(N_TILES)]
-    dq, dk_pos = [None] * N_TILES, [None] * N_TILES  # "+b" factors
-    dk_neg, db_neg = [None] * N_TILES, [None] * N_TILES  # "-b" factors
-    db_pos = [None] * N_TILES
-    for j in range(N_TILES):   # k exp(b_C - b) on S_{n+1}
-      t_end = _dot(vn[j], dh, _NT, mm) * jnp.exp(b_last[None, :] - b[j])
-      dk_neg[j], db_neg[j] = t_end, k_t[j] * t_end
-    for i in range(N_TILES):
-      eb = jnp.exp(b[i])
-      dq_i = scale * _dot(dos[i], s, _NT, mm) * eb         # (q exp(b)) S
-      d_rk = -_dot(du[i], s, _NT, mm)                       # dR_k rows
-      k_eb = k_t[i] * eb
-      dbeta[i] = dbeta[i] + jnp.sum(d_rk * k_eb, axis=1)
-      dk_i = beta_t[i] * d_rk * eb
-      db_i = q_t[i] * dq_i + beta_t[i] * d_rk * k_eb
-      x_scale = jnp.exp(b[i] - c[i])                        # <= 1
-      q_dec = (q_t[i] * x_scale).astype(mm)
-      k_dec = (k_t[i] * x_scale).astype(mm)
-      acc_q = acc_k = None
-      for j in range(i + 1):
-        if j == i and not bounded:
-          pd = _pair_decay(b[i], causal)                    # [16, 16, w]
-          pk = pd * k_t[i][None, :, :]
-          p_q = jnp.sum(da[i, i][:, :, None] * pk, axis=1)
-          p_k = jnp.sum(dlk[i, i][:, :, None] * pk, axis=1)
-          p_n = jnp.sum(pd * (da[i, i][:, :, None] * q_t[i][:, None, :]
-                              + dlk[i, i][:, :, None] * k_t[i][:, None, :]),
-                        axis=0)
-          dq_i, dk_i = dq_i + p_q, dk_i + p_k
-          db_i = db_i + q_t[i] * p_q + k_t[i] * p_k
-          dk_neg[i] = dk_neg[i] + p_n
-          db_neg[i] = db_neg[i] + k_t[i] * p_n
-          continue
-        y_scale = jnp.exp(c[i] - b[j])          # <= 1 off the diagonal
-        y_dec = (k_t[j] * y_scale).astype(mm)
-        t_q = _dot(da[i, j], y_dec, _NN, mm)
-        t_k = _dot(dlk[i, j], y_dec, _NN, mm)
-        acc_q = t_q if acc_q is None else acc_q + t_q
-        acc_k = t_k if acc_k is None else acc_k + t_k
-        t_n = _dot(da[i, j], q_dec, _TN, mm) + _dot(dlk[i, j], k_dec, _TN, mm)
-        dk_neg[j] = dk_neg[j] + t_n * y_scale
-        db_neg[j] = db_neg[j] + t_n * y_dec.astype(_F32)
-      if acc_q is not None:
-        dq_i = dq_i + acc_q * x_scale
-        dk_i = dk_i + acc_k * x_scale
-        db_i = (db_i + acc_q * q_dec.astype(_F32)
-                + acc_k * k_dec.astype(_F32))
-      dq[i], dk_pos[i], db_pos[i] = dq_i, dk_i, db_i
-    for i in range(N_TILES):
-      dq_ref[_rows(i), cols] = dq[i]
-      dk_ref[_rows(i), cols] = dk_pos[i] + dk_neg[i]
-      db_ref[_rows(i), cols] = db_pos[i] - db_neg[i]
+
+def _grad_k_kernel(q_ref, k_ref, b_ref, beta_ref, do_ref, vn_ref, du_ref,
+                   da_ref, dlk_ref, s_ref, dh_ref, dq_ref, dk_ref, db_ref,
+                   dbeta_ref, *, scale, bv, bounded, mm):
+  # One K slice of one chunk. q_ref, k_ref, b_ref, dq_ref, dk_ref, db_ref
+  # [C, w]; beta_ref, dbeta_ref [C] (dbeta: this slice's part); do_ref,
+  # vn_ref (V') [C, V]; du_ref (dU') [C, V] fp32; da_ref (dAqk), dlk_ref
+  # (dLk) [C, C] fp32; s_ref (state entering), dh_ref (grad of the state
+  # leaving) [w, V] fp32.
+  row, col = _tile_iota()
+  causal = row >= col
+  beta_t = _beta_tiles(beta_ref)
+  w = q_ref.shape[-1]
+  b, c, b_last = _decay_tiles(b_ref, pl.ds(0, w))
+  q_t = [q_ref[_rows(t), :].astype(_F32) for t in range(N_TILES)]
+  k_t = [k_ref[_rows(t), :].astype(_F32) for t in range(N_TILES)]
+
+  def v_dot(x_ref, y_ref, t):
+    """x[tile t] @ y^T over all of V, [16, V] x [w, V] -> [16, w]."""
+    acc = None
+    for cv in range(0, x_ref.shape[-1], bv):
+      cols = pl.ds(cv, bv)
+      part = _dot(x_ref[_rows(t), cols], y_ref[:, cols], _NT, mm)
+      acc = part if acc is None else acc + part
+    return acc
+
+  def tile(ref, i, j):
+    return ref[_rows(i), pl.ds(j * TILE, TILE)]
+
+  # dL/db = q dq + k (dk_+b - dk_-b), formed term by term: a tile pair's
+  # contribution to the query side and to the key side is multiplied by the
+  # SAME rounded dot operands (x_dec, y_dec in the matmul dtype), so that the
+  # two sides cancel in the within-chunk reverse cumsum as exactly as they do
+  # in exact arithmetic (q dq and k dk computed separately leave bf16-rounding
+  # residues: bounded path, bf16, T=130, K=V=32: dg relative error 1.7e-2
+  # instead of 4.0e-3).
+  dq, dk_pos = [None] * N_TILES, [None] * N_TILES   # "+b" factors
+  dk_neg, db_neg = [None] * N_TILES, [None] * N_TILES   # "-b" factors
+  db_pos, dbeta = [None] * N_TILES, [None] * N_TILES
+  for j in range(N_TILES):   # k exp(b_C - b) on S_{n+1}
+    t_end = v_dot(vn_ref, dh_ref, j) * jnp.exp(b_last[None, :] - b[j])
+    dk_neg[j], db_neg[j] = t_end, k_t[j] * t_end
   for i in range(N_TILES):
+    eb = jnp.exp(b[i])
+    dq_i = scale * v_dot(do_ref, s_ref, i) * eb               # (q exp(b)) S
+    d_rk = -v_dot(du_ref, s_ref, i)                           # dR_k rows
+    k_eb = k_t[i] * eb
+    dbeta[i] = jnp.sum(d_rk * k_eb, axis=1)
+    dk_i = beta_t[i] * d_rk * eb
+    db_i = q_t[i] * dq_i + beta_t[i] * d_rk * k_eb
+    x_scale = jnp.exp(b[i] - c[i])                            # <= 1
+    q_dec = (q_t[i] * x_scale).astype(mm)
+    k_dec = (k_t[i] * x_scale).astype(mm)
+    acc_q = acc_k = None
+    for j in range(i + 1):
+      da, dlk = tile(da_ref, i, j), tile(dlk_ref, i, j)
+      if j == i and not bounded:
+        pd = _pair_decay(b[i], causal)                        # [16, 16, w]
+        pk = pd * k_t[i][None, :, :]
+        p_q = jnp.sum(da[:, :, None] * pk, axis=1)
+        p_k = jnp.sum(dlk[:, :, None] * pk, axis=1)
+        p_n = jnp.sum(pd * (da[:, :, None] * q_t[i][:, None, :]
+                            + dlk[:, :, None] * k_t[i][:, None, :]), axis=0)
+        dq_i, dk_i = dq_i + p_q, dk_i + p_k
+        db_i = db_i + q_t[i] * p_q + k_t[i] * p_k
+        dk_neg[i] = dk_neg[i] + p_n
+        db_neg[i] = db_neg[i] + k_t[i] * p_n
+        continue
+      y_scale = jnp.exp(c[i] - b[j])            # <= 1 off the diagonal
+      y_dec = (k_t[j] * y_scale).astype(mm)
+      t_q = _dot(da, y_dec, _NN, mm)
+      t_k = _dot(dlk, y_dec, _NN, mm)
+      acc_q = t_q if acc_q is None else acc_q + t_q
+      acc_k = t_k if acc_k is None else acc_k + t_k
+      t_n = _dot(da, q_dec, _TN, mm) + _dot(dlk, k_dec, _TN, mm)
+      dk_neg[j] = dk_neg[j] + t_n * y_scale
+      db_neg[j] = db_neg[j] + t_n * y_dec.astype(_F32)
+    if acc_q is not None:
+      dq_i = dq_i + acc_q * x_scale
+      dk_i = dk_i + acc_k * x_scale
+      db_i = db_i + acc_q * q_dec.astype(_F32) + acc_k * k_dec.astype(_F32)
+    dq[i], dk_pos[i], db_pos[i] = dq_i, dk_i, db_i
+  for i in range(N_TILES):
+    dq_ref[_rows(i), :] = dq[i]
+    dk_ref[_rows(i), :] = dk_pos[i] + dk_neg[i]
+    db_ref[_rows(i), :] = db_pos[i] - db_neg[i]
     dbeta_ref[_rows(i)] = dbeta[i]
 
 
@@ -570,28 +570,46 @@ def _pad(x, tp, d_pad):
   return jnp.pad(x, ((0, 0), (0, tp - t), (0, 0), (0, d_pad - d)))
 
 
-def _chunk_spec(d):
-  """One chunk of a [B, Tp, H, D] array, all of D; grid (B, H, N)."""
-  return pl.BlockSpec((None, CHUNK, None, d), lambda b, h, n: (b, n, h, 0))
-
-
-def _chunk_spec4(d, v_blocked):
-  """One chunk of a [B, Tp, H, D] array; grid (B, H, N, V blocks)."""
-  if v_blocked:
+# Block specs. Chunk-parallel grids are (B, H, N) or (B, H, N, j) with j a V
+# block or a K slice; the sequential passes have grid (B, H, j), j a V block.
+def _chunk_spec(d, blocked=False):
+  """Chunk n of a [B, Tp, H, D] array, columns [j d, (j+1) d) if blocked
+  (grid (B, H, N, j)), else all of D (grid (B, H, N) or (B, H, N, j))."""
+  if blocked:
     return pl.BlockSpec((None, CHUNK, None, d),
                         lambda b, h, n, j: (b, n, h, j))
-  return pl.BlockSpec((None, CHUNK, None, d), lambda b, h, n, j: (b, n, h, 0))
+  return pl.BlockSpec((None, CHUNK, None, d), lambda b, h, n, *_: (b, n, h, 0))
 
 
-def _state_spec4(kp, bv):
+def _square_spec():
+  """The [C, C] matrix of chunk n in [B, H, Tp, C]; grid (B, H, N[, j])."""
+  return pl.BlockSpec((None, None, CHUNK, CHUNK),
+                      lambda b, h, n, *_: (b, h, n, 0))
+
+
+def _beta_spec():
+  """Chunk n of beta [B, H, Tp]; grid (B, H, N[, j])."""
+  return pl.BlockSpec((None, None, CHUNK), lambda b, h, n, *_: (b, h, n))
+
+
+def _state_spec(kp, bv):
   """The [Kp, BV] state of chunk n in [B, H, N, Kp, V]; grid (B, H, N, j)."""
   return pl.BlockSpec((None, None, None, kp, bv),
-                      lambda b, hh, n, j: (b, hh, n, 0, j))
+                      lambda b, h, n, j: (b, h, n, 0, j))
 
 
-def _beta_spec4():
-  """One chunk of beta [B, H, Tp]; grid (B, H, N, V blocks)."""
-  return pl.BlockSpec((None, None, CHUNK), lambda b, hh, n, j: (b, hh, n))
+def _pass_specs(lay):
+  """Specs of the sequential passes, grid (B, H, V block j): all of T of a
+  [B, Tp, H, Kp] array, all of T of a [B, Tp, H, V] array in block j, one
+  [Kp, BV] state of [B, H, Kp, V], and the per-chunk states [B, H, N, Kp, V].
+  """
+  tp, kp, bv, n = lay["tp"], lay["kp"], lay["bv"], lay["n_chunks"]
+  seq_k = pl.BlockSpec((None, tp, None, kp), lambda b, h, j: (b, 0, h, 0))
+  seq_v = pl.BlockSpec((None, tp, None, bv), lambda b, h, j: (b, 0, h, j))
+  state = pl.BlockSpec((None, None, kp, bv), lambda b, h, j: (b, h, 0, j))
+  states = pl.BlockSpec((None, None, n, kp, bv),
+                        lambda b, h, j: (b, h, 0, 0, j))
+  return seq_k, seq_v, state, states
 
 
 def _layout(q, v, block_k):
@@ -601,8 +619,13 @@ def _layout(q, v, block_k):
   kp = _next_pow2(dk)
   bv = _block_v(dv)
   return dict(bsz=bsz, t=t, h=h, dk=dk, dv=dv, tp=tp, n_chunks=tp // CHUNK,
+              chunk=CHUNK,
               kp=kp, bk=min(kp, block_k), bv=bv, nv=dv // bv,
               mm=jnp.bfloat16 if v.dtype == jnp.bfloat16 else _F32)
+
+
+def _shape_of(lay, *names, dtype=_F32):
+  return jax.ShapeDtypeStruct(tuple(lay[n] for n in names), dtype)
 
 
 def _prepare(q, k, v, g, beta, s0, lay):
@@ -619,51 +642,45 @@ def _prepare(q, k, v, g, beta, s0, lay):
   return qp, kp_, vp, bp, betap, s0p
 
 
-def _wu_call(kp_, bp, betap, vp, lay, bounded, interpret):
-  """Kernel 1: W [B, Tp, H, Kp] and U [B, Tp, H, V] (matmul dtype)."""
-  bsz, h, tp, kp, dv = lay["bsz"], lay["h"], lay["tp"], lay["kp"], lay["dv"]
-  n_chunks, bv, mm = lay["n_chunks"], lay["bv"], lay["mm"]
+def _wu_call(qp, kp_, bp, betap, vp, lay, bounded, interpret,
+             for_backward=False):
+  """Kernel 1: W [B, Tp, H, Kp], U [B, Tp, H, V] and Aqk [B, H, Tp, C] in
+  the matmul dtype; with for_backward also M (matmul dtype) and Lk (fp32),
+  [B, H, Tp, C]. Lower triangular [C, C] matrices per chunk."""
+  kp, dv, mm = lay["kp"], lay["dv"], lay["mm"]
+  square = _shape_of(lay, "bsz", "h", "tp", "chunk", dtype=mm)
+  out_specs = [_chunk_spec(kp), _chunk_spec(dv), _square_spec()]
+  out_shape = [_shape_of(lay, "bsz", "tp", "h", "kp", dtype=mm),
+               _shape_of(lay, "bsz", "tp", "h", "dv", dtype=mm), square]
+  if for_backward:
+    out_specs += [_square_spec(), _square_spec()]
+    out_shape += [square, _shape_of(lay, "bsz", "h", "tp", "chunk")]
   return pl.pallas_call(
-      functools.partial(_intra_kernel, bk=lay["bk"], bv=bv, bounded=bounded,
-                        mm=mm),
-      grid=(bsz, h, n_chunks),
-      in_specs=[
-          _chunk_spec(kp), _chunk_spec(kp),
-          pl.BlockSpec((None, None, CHUNK), lambda b, hh, n: (b, hh, n)),
-          _chunk_spec(dv),
-      ],
-      out_specs=[_chunk_spec(kp), _chunk_spec(dv)],
-      out_shape=[
-          jax.ShapeDtypeStruct((bsz, tp, h, kp), mm),
-          jax.ShapeDtypeStruct((bsz, tp, h, dv), mm),
-      ],
+      functools.partial(_intra_kernel, bk=lay["bk"], bv=lay["bv"],
+                        bounded=bounded, mm=mm),
+      grid=(lay["bsz"], lay["h"], lay["n_chunks"]),
+      in_specs=[_chunk_spec(kp), _chunk_spec(kp), _chunk_spec(kp),
+                _beta_spec(), _chunk_spec(dv)],
+      out_specs=out_specs,
+      out_shape=out_shape,
       compiler_params=_compiler_params(num_warps=4, num_stages=2),
       interpret=interpret,
-      name="kda_chunk_wu",
-  )(kp_, bp, betap, vp)
+      name="kda_chunk_intra",
+  )(qp, kp_, bp, betap, vp)
 
 
 def _state_call(w, u, kp_, bp, s0p, lay, interpret):
   """Kernel 2: states entering each chunk, V', the final state."""
-  bsz, h, tp, kp, dv = lay["bsz"], lay["h"], lay["tp"], lay["kp"], lay["dv"]
-  n_chunks, bv, mm = lay["n_chunks"], lay["bv"], lay["mm"]
-  seq_k = pl.BlockSpec((None, tp, None, kp), lambda b, hh, j: (b, 0, hh, 0))
-  seq_v = pl.BlockSpec((None, tp, None, bv), lambda b, hh, j: (b, 0, hh, j))
-  state = pl.BlockSpec((None, None, kp, bv), lambda b, hh, j: (b, hh, 0, j))
+  seq_k, seq_v, state, states = _pass_specs(lay)
   return pl.pallas_call(
-      functools.partial(_state_kernel, n_chunks=n_chunks, mm=mm),
-      grid=(bsz, h, lay["nv"]),
+      functools.partial(_state_kernel, n_chunks=lay["n_chunks"], mm=lay["mm"]),
+      grid=(lay["bsz"], lay["h"], lay["nv"]),
       in_specs=[seq_k, seq_v, seq_k, seq_k, state],
-      out_specs=[
-          pl.BlockSpec((None, None, n_chunks, kp, bv),
-                       lambda b, hh, j: (b, hh, 0, 0, j)),
-          seq_v,
-          state,
-      ],
+      out_specs=[states, seq_v, state],
       out_shape=[
-          jax.ShapeDtypeStruct((bsz, h, n_chunks, kp, dv), _F32),
-          jax.ShapeDtypeStruct((bsz, tp, h, dv), mm),
-          jax.ShapeDtypeStruct((bsz, h, kp, dv), _F32),
+          _shape_of(lay, "bsz", "h", "n_chunks", "kp", "dv"),
+          _shape_of(lay, "bsz", "tp", "h", "dv", dtype=lay["mm"]),
+          _shape_of(lay, "bsz", "h", "kp", "dv"),
       ],
       compiler_params=_compiler_params(num_warps=4, num_stages=2),
       interpret=interpret,
@@ -671,78 +688,59 @@ def _state_call(w, u, kp_, bp, s0p, lay, interpret):
   )(w, u, kp_, bp, s0p)
 
 
-def _recompute(kp_, vp, bp, betap, s0p, lay, bounded, interpret):
-  """Kernels 1 and 2: W, U, the states entering each chunk, V', final state."""
-  w, u = _wu_call(kp_, bp, betap, vp, lay, bounded, interpret)
-  states, v_new, s_final = _state_call(w, u, kp_, bp, s0p, lay, interpret)
-  return w, u, states, v_new, s_final
+def _recompute(qp, kp_, vp, bp, betap, s0p, lay, bounded, interpret,
+               for_backward=False):
+  """Kernels 1 and 2: (W, U, Aqk[, M, Lk]) and (states entering each chunk,
+  V', final state)."""
+  intra = _wu_call(qp, kp_, bp, betap, vp, lay, bounded, interpret,
+                   for_backward)
+  return intra, _state_call(intra[0], intra[1], kp_, bp, s0p, lay, interpret)
 
 
-def _output_call(qp, kp_, v_new, bp, states, lay, scale, bounded, dtype,
-                 interpret):
+def _output_call(qp, bp, aqk, v_new, states, lay, scale, dtype, interpret):
   """Kernel 3: O [B, Tp, H, V] in dtype."""
-  bsz, h, tp, kp, dv, bv = (lay[n] for n in ("bsz", "h", "tp", "kp", "dv",
-                                             "bv"))
+  kp, bv = lay["kp"], lay["bv"]
   return pl.pallas_call(
-      functools.partial(_output_kernel, scale=scale, bk=lay["bk"],
-                        bounded=bounded, mm=lay["mm"]),
-      grid=(bsz, h, lay["n_chunks"], lay["nv"]),
-      in_specs=[
-          _chunk_spec4(kp, False), _chunk_spec4(kp, False),
-          _chunk_spec4(bv, True), _chunk_spec4(kp, False),
-          _state_spec4(kp, bv),
-      ],
-      out_specs=_chunk_spec4(bv, True),
-      out_shape=jax.ShapeDtypeStruct((bsz, tp, h, dv), dtype),
+      functools.partial(_output_kernel, scale=scale, mm=lay["mm"]),
+      grid=(lay["bsz"], lay["h"], lay["n_chunks"], lay["nv"]),
+      in_specs=[_chunk_spec(kp), _chunk_spec(kp), _square_spec(),
+                _chunk_spec(bv, True), _state_spec(kp, bv)],
+      out_specs=_chunk_spec(bv, True),
+      out_shape=_shape_of(lay, "bsz", "tp", "h", "dv", dtype=dtype),
       compiler_params=_compiler_params(num_warps=4, num_stages=2),
       interpret=interpret,
       name="kda_chunk_output",
-  )(qp, kp_, v_new, bp, states)
+  )(qp, bp, aqk, v_new, states)
 
 
-def _dvintra_call(qp, kp_, bp, dop, lay, scale, bounded, interpret):
+def _dvintra_call(aqk, dop, lay, scale, interpret):
   """scale Aqk^T dO [B, Tp, H, V] fp32: the state-independent part of dV'."""
-  bsz, h, tp, kp, dv, bv, nv, n_chunks, mm = (
-      lay[n] for n in ("bsz", "h", "tp", "kp", "dv", "bv", "nv", "n_chunks",
-                       "mm"))
-  grid4 = (bsz, h, n_chunks, nv)
+  bv = lay["bv"]
   return pl.pallas_call(
-      functools.partial(_dvintra_kernel, scale=scale, bk=lay["bk"],
-                        bounded=bounded, mm=mm),
-      grid=grid4,
-      in_specs=[_chunk_spec4(kp, False), _chunk_spec4(kp, False),
-                _chunk_spec4(kp, False), _chunk_spec4(bv, True)],
-      out_specs=_chunk_spec4(bv, True),
-      out_shape=jax.ShapeDtypeStruct((bsz, tp, h, dv), _F32),
-      compiler_params=_compiler_params(num_warps=8, num_stages=2),
+      functools.partial(_dvintra_kernel, scale=scale, mm=lay["mm"]),
+      grid=(lay["bsz"], lay["h"], lay["n_chunks"], lay["nv"]),
+      in_specs=[_square_spec(), _chunk_spec(bv, True)],
+      out_specs=_chunk_spec(bv, True),
+      out_shape=_shape_of(lay, "bsz", "tp", "h", "dv"),
+      compiler_params=_compiler_params(num_warps=4, num_stages=2),
       interpret=interpret,
       name="kda_chunk_dv_intra",
-  )(qp, kp_, bp, dop)
+  )(aqk, dop)
 
 
 def _dstate_call(qp, kp_, bp, w, dop, dv_intra, dsfp, lay, scale, interpret):
   """Reverse pass over chunks: dH_n [B, H, N, Kp, V], dV', dS_0."""
-  bsz, h, tp, kp, dv, bv, nv, n_chunks, mm = (
-      lay[n] for n in ("bsz", "h", "tp", "kp", "dv", "bv", "nv", "n_chunks",
-                       "mm"))
-  seq_k = pl.BlockSpec((None, tp, None, kp), lambda b, hh, j: (b, 0, hh, 0))
-  seq_v = pl.BlockSpec((None, tp, None, bv), lambda b, hh, j: (b, 0, hh, j))
-  state = pl.BlockSpec((None, None, kp, bv), lambda b, hh, j: (b, hh, 0, j))
+  seq_k, seq_v, state, states = _pass_specs(lay)
   return pl.pallas_call(
-      functools.partial(_dstate_kernel, n_chunks=n_chunks, scale=scale,
-                        mm=mm),
-      grid=(bsz, h, nv),
+      functools.partial(_dstate_kernel, n_chunks=lay["n_chunks"], scale=scale,
+                        mm=lay["mm"]),
+      grid=(lay["bsz"], lay["h"], lay["nv"]),
       in_specs=[seq_k, seq_k, seq_k, seq_k, seq_v, seq_v, state],
-      out_specs=[
-          pl.BlockSpec((None, None, n_chunks, kp, bv),
-                       lambda b, hh, j: (b, hh, 0, 0, j)),
-          seq_v,
-          state,
-      ],
+      out_specs=[states, seq_v, state],
       out_shape=[
-          jax.ShapeDtypeStruct((bsz, h, n_chunks, kp, dv), _F32),
-          jax.ShapeDtypeStruct((bsz, tp, h, dv), _F32),
-          jax.ShapeDtypeStruct((bsz, h, kp, dv), _F32),
+          _shape_of(lay, "bsz", "h", "n_chunks", "kp", "dv"),
+          _shape_of(lay, "bsz", "tp", "h", "dv"),
+          _shape_of(lay, "bsz", "h", "kp", "dv"),
       ],
       compiler_params=_compiler_params(num_warps=4, num_stages=2),
       interpret=interpret,
@@ -750,38 +748,57 @@ def _dstate_call(qp, kp_, bp, w, dop, dv_intra, dsfp, lay, scale, interpret):
   )(qp, kp_, bp, w, dop, dv_intra, dsfp)
 
 
-def _grad_call(qp, kp_, bp, betap, vp, dop, v_new, dv_new, states, dstates,
-               lay, scale, bounded, dtype, interpret):
-  """Per chunk and V block: dv and partial dq, dk, dL/db, dbeta."""
-  bsz, h, tp, kp, dv, bv, nv, n_chunks, mm = (
-      lay[n] for n in ("bsz", "h", "tp", "kp", "dv", "bv", "nv", "n_chunks",
-                       "mm"))
-  grid4 = (bsz, h, n_chunks, nv)
-  part = pl.BlockSpec((None, None, CHUNK, None, kp),
-                      lambda b, hh, n, j: (j, b, n, hh, 0))
+def _grad_v_call(m, lk, betap, vp, dop, v_new, dv_new, lay, scale, dtype,
+                 interpret):
+  """Per chunk, all of V: dv, dU' [B, Tp, H, V]; dAqk, dLk [B, H, Tp, C];
+  the V-side part of dbeta [B, H, Tp]."""
+  dv = lay["dv"]
   return pl.pallas_call(
-      functools.partial(_grad_kernel, scale=scale, bk=lay["bk"],
-                        bounded=bounded, mm=mm),
-      grid=grid4,
-      in_specs=[_chunk_spec4(kp, False), _chunk_spec4(kp, False),
-                _chunk_spec4(kp, False), _beta_spec4(),
-                _chunk_spec4(bv, True), _chunk_spec4(bv, True),
-                _chunk_spec4(bv, True), _chunk_spec4(bv, True),
-                _state_spec4(kp, bv), _state_spec4(kp, bv)],
-      out_specs=[part, part, part, _chunk_spec4(bv, True),
-                 pl.BlockSpec((None, None, None, CHUNK),
-                              lambda b, hh, n, j: (j, b, hh, n))],
+      functools.partial(_grad_v_kernel, scale=scale, bv=lay["bv"],
+                        mm=lay["mm"]),
+      grid=(lay["bsz"], lay["h"], lay["n_chunks"]),
+      in_specs=[_square_spec(), _square_spec(), _beta_spec()]
+      + [_chunk_spec(dv)] * 4,
+      out_specs=[_chunk_spec(dv), _chunk_spec(dv), _square_spec(),
+                 _square_spec(), _beta_spec()],
       out_shape=[
-          jax.ShapeDtypeStruct((nv, bsz, tp, h, kp), _F32),
-          jax.ShapeDtypeStruct((nv, bsz, tp, h, kp), _F32),
-          jax.ShapeDtypeStruct((nv, bsz, tp, h, kp), _F32),
-          jax.ShapeDtypeStruct((bsz, tp, h, dv), dtype),
-          jax.ShapeDtypeStruct((nv, bsz, h, tp), _F32),
+          _shape_of(lay, "bsz", "tp", "h", "dv", dtype=dtype),
+          _shape_of(lay, "bsz", "tp", "h", "dv"),
+          _shape_of(lay, "bsz", "h", "tp", "chunk"),
+          _shape_of(lay, "bsz", "h", "tp", "chunk"),
+          _shape_of(lay, "bsz", "h", "tp"),
       ],
-      compiler_params=_compiler_params(num_warps=8, num_stages=2),
+      compiler_params=_compiler_params(num_warps=4, num_stages=2),
       interpret=interpret,
-      name="kda_chunk_grad",
-  )(qp, kp_, bp, betap, vp, dop, v_new, dv_new, states, dstates)
+      name="kda_chunk_grad_v",
+  )(m, lk, betap, vp, dop, v_new, dv_new)
+
+
+def _grad_k_call(qp, kp_, bp, betap, dop, v_new, du, da, dlk, states,
+                 dstates, lay, scale, bounded, interpret):
+  """Per chunk and K slice: dq, dk, dL/db [B, Tp, H, Kp] and the slice's
+  part of dbeta [K slices, B, H, Tp], all fp32."""
+  bk, dv, nk = lay["bk"], lay["dv"], lay["kp"] // lay["bk"]
+  k_slice = _chunk_spec(bk, True)
+  state_slice = pl.BlockSpec((None, None, None, bk, dv),
+                             lambda b, h, n, j: (b, h, n, j, 0))
+  return pl.pallas_call(
+      functools.partial(_grad_k_kernel, scale=scale,
+                        bv=_block_v(dv, cap=128), bounded=bounded,
+                        mm=lay["mm"]),
+      grid=(lay["bsz"], lay["h"], lay["n_chunks"], nk),
+      in_specs=[k_slice, k_slice, k_slice, _beta_spec(), _chunk_spec(dv),
+                _chunk_spec(dv), _chunk_spec(dv), _square_spec(),
+                _square_spec(), state_slice, state_slice],
+      out_specs=[k_slice, k_slice, k_slice,
+                 pl.BlockSpec((None, None, None, CHUNK),
+                              lambda b, h, n, j: (j, b, h, n))],
+      out_shape=[_shape_of(lay, "bsz", "tp", "h", "kp")] * 3
+      + [jax.ShapeDtypeStruct((nk, lay["bsz"], lay["h"], lay["tp"]), _F32)],
+      compiler_params=_compiler_params(num_warps=4, num_stages=2),
+      interpret=interpret,
+      name="kda_chunk_grad_k",
+  )(qp, kp_, bp, betap, dop, v_new, du, da, dlk, states, dstates)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_k", "bounded",
@@ -795,9 +812,9 @@ def _kda_fwd_impl(q, k, v, g, beta, s0, *, scale, block_k, bounded,
   """
   lay = _layout(q, v, block_k)
   qp, kp_, vp, bp, betap, s0p = _prepare(q, k, v, g, beta, s0, lay)
-  _, _, states, v_new, s_final = _recompute(kp_, vp, bp, betap, s0p, lay,
-                                            bounded, interpret)
-  o = _output_call(qp, kp_, v_new, bp, states, lay, scale, bounded, v.dtype,
+  (_, _, aqk), (states, v_new, s_final) = _recompute(
+      qp, kp_, vp, bp, betap, s0p, lay, bounded, interpret)
+  o = _output_call(qp, bp, aqk, v_new, states, lay, scale, v.dtype,
                    interpret)
   return o[:, :lay["t"]], s_final[:, :, :lay["dk"]]
 
@@ -814,18 +831,17 @@ def _kda_bwd_impl(q, k, v, g, beta, s0, do, ds_final, *, scale, block_k,
   dop = _pad(do.astype(v.dtype), tp, dv)
   dsfp = jnp.pad(ds_final.astype(_F32),
                  ((0, 0), (0, 0), (0, kp - dk), (0, 0)))
-  w, _, states, v_new, s_final = _recompute(kp_, vp, bp, betap, s0p, lay,
-                                            bounded, interpret)
-  dv_intra = _dvintra_call(qp, kp_, bp, dop, lay, scale, bounded, interpret)
+  (w, _, aqk, m, lk), (states, v_new, s_final) = _recompute(
+      qp, kp_, vp, bp, betap, s0p, lay, bounded, interpret, for_backward=True)
+  dv_intra = _dvintra_call(aqk, dop, lay, scale, interpret)
   dstates, dv_new, ds0 = _dstate_call(qp, kp_, bp, w, dop, dv_intra, dsfp, lay,
                                       scale, interpret)
-  dq_p, dk_p, db_p, dvp, dbeta_p = _grad_call(
-      qp, kp_, bp, betap, vp, dop, v_new, dv_new, states, dstates, lay, scale,
-      bounded, v.dtype, interpret)
-
-  dq = jnp.sum(dq_p, axis=0)
-  dk_ = jnp.sum(dk_p, axis=0)
-  d_b = jnp.sum(db_p, axis=0)                                 # [B, Tp, H, Kp]
+  dvp, du, da, dlk, dbeta_v = _grad_v_call(m, lk, betap, vp, dop, v_new,
+                                           dv_new, lay, scale, v.dtype,
+                                           interpret)
+  dq, dk_, d_b, dbeta_k = _grad_k_call(qp, kp_, bp, betap, dop, v_new, du, da,
+                                       dlk, states, dstates, lay, scale,
+                                       bounded, interpret)
   # Chunk-end term: exp(b_C) on S_n and on k exp(b_C - b) feed S_{n+1}:
   # sum_v dH_n * S_{n+1} at the chunk's last row.
   s_next = jnp.concatenate([states[:, :, 1:], s_final[:, :, None]], axis=2)
@@ -834,10 +850,11 @@ def _kda_bwd_impl(q, k, v, g, beta, s0, do, ds_final, *, scale, block_k,
   d_b = d_b.at[:, :, CHUNK - 1].add(jnp.transpose(d_end, (0, 2, 1, 3)))
   # Within-chunk reverse cumsum (64 terms: no rounding growth over T).
   dg = jax.lax.cumsum(d_b, axis=2, reverse=True).reshape(bsz, tp, h, kp)
-  dbeta = jnp.transpose(jnp.sum(dbeta_p, axis=0), (0, 2, 1))[:, :t]
+  dbeta = jnp.transpose(dbeta_v + jnp.sum(dbeta_k, axis=0), (0, 2, 1))[:, :t]
   dq, dk_, dg = (x[:, :t, :, :dk] for x in (dq, dk_, dg))
   return (dq.astype(q.dtype), dk_.astype(k.dtype), dvp[:, :t],
           dg.astype(g.dtype), dbeta.astype(beta.dtype), ds0[:, :, :dk])
+
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))

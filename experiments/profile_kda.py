@@ -7,7 +7,8 @@ per configuration, so that a slow kernel is named rather than guessed.
 
   PYTHONPATH=. python -m experiments.profile_kda --out=/tmp/prof_kda
   PYTHONPATH=. python -m experiments.profile_kda --b=1 --t=32768 \
-      --configs=bounded:128,bounded:32,unbounded:32 --warps=0,8
+      --configs=bounded:128,bounded:32,unbounded:32 --warps=0,8 \
+      --pass_bv=64,32
 
 --warps=0 keeps each kernel's own warp count; N forces N warps everywhere.
 """
@@ -33,6 +34,9 @@ _D = flags.DEFINE_integer("d", 128, "K = V.")
 _CONFIGS = flags.DEFINE_list("configs", ["bounded:128", "bounded:64",
                                          "bounded:32", "unbounded:32"],
                              "path:block_k pairs.")
+_PASS_BV = flags.DEFINE_list("pass_bv", ["0"],
+                              "0: default; N: V block width of the "
+                              "sequential state passes (BLOCK_V_PASS).")
 _WARPS = flags.DEFINE_list("warps", ["0"], "0: kernel defaults; N: force N.")
 _ITERS = flags.DEFINE_integer("iters", 10, "Timed iterations (median).")
 _INTERPRET = flags.DEFINE_bool("interpret", False,
@@ -133,7 +137,11 @@ def main(argv):
   x = inputs(_B.value, _T.value, _H.value, _D.value)
   orig = kp._compiler_params  # pylint: disable=protected-access
   results = []
-  for warps in (int(w) for w in _WARPS.value):
+  orig_bv = kp.BLOCK_V_PASS
+  sweep = [(int(w), int(p)) for w in _WARPS.value for p in _PASS_BV.value]
+  for warps, pass_bv in sweep:
+    kp.BLOCK_V_PASS = pass_bv or orig_bv
+    jax.clear_caches()  # the jitted fwd/bwd read BLOCK_V_PASS when traced
     if warps:
       kp._compiler_params = (  # pylint: disable=protected-access
           lambda num_warps=4, num_stages=2, _w=warps: orig(_w, num_stages))
@@ -141,7 +149,8 @@ def main(argv):
       kp._compiler_params = orig  # pylint: disable=protected-access
     for cfg in _CONFIGS.value:
       path, block_k = cfg.split(":")
-      name = f"{path} block_k={block_k} warps={warps or 'default'}"
+      name = (f"{path} block_k={block_k} warps={warps or 'default'} "
+              f"pass_bv={kp.BLOCK_V_PASS}")
       try:
         c = profile(x, path == "bounded", int(block_k), _ITERS.value,
                     _INTERPRET.value)
@@ -154,6 +163,7 @@ def main(argv):
       print(f"\n{name}\n" + "\n".join(f"  {k:<28} {ms:9.3f} ms"
                                       for k, ms in c.items()), flush=True)
   kp._compiler_params = orig  # pylint: disable=protected-access
+  kp.BLOCK_V_PASS = orig_bv
 
 
 if __name__ == "__main__":

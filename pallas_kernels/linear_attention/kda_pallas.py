@@ -146,6 +146,10 @@ _TN = ((0,), (0,))  # a^T @ b
 # 6.3, 37.1 and 56.4 ms (likely register spills at 128; results/kernels.md).
 BLOCK_K = 32
 BLOCK_K_UNBOUNDED = 32   # K slice width, unbounded path ([16, 16, bk] pairs)
+# V block width of the two sequential passes (grid B x H x V/BV programs,
+# each walking every chunk). H200, B1 T32768 H16 D128 bf16 bounded: 64 ->
+# state 2.77, dstate 5.58 ms; 32 -> 2.34, 4.54 ms (more programs).
+BLOCK_V_PASS = 32
 
 __all__ = ["kda_pallas", "register", "GMinError", "G_MIN_LOWEST"]
 
@@ -603,7 +607,7 @@ def _pass_specs(lay):
   [B, Tp, H, Kp] array, all of T of a [B, Tp, H, V] array in block j, one
   [Kp, BV] state of [B, H, Kp, V], and the per-chunk states [B, H, N, Kp, V].
   """
-  tp, kp, bv, n = lay["tp"], lay["kp"], lay["bv"], lay["n_chunks"]
+  tp, kp, bv, n = lay["tp"], lay["kp"], lay["bv_pass"], lay["n_chunks"]
   seq_k = pl.BlockSpec((None, tp, None, kp), lambda b, h, j: (b, 0, h, 0))
   seq_v = pl.BlockSpec((None, tp, None, bv), lambda b, h, j: (b, 0, h, j))
   state = pl.BlockSpec((None, None, kp, bv), lambda b, h, j: (b, h, 0, j))
@@ -618,9 +622,11 @@ def _layout(q, v, block_k):
   tp = -(-t // CHUNK) * CHUNK
   kp = _next_pow2(dk)
   bv = _block_v(dv)
+  bv_pass = _block_v(dv, BLOCK_V_PASS)
   return dict(bsz=bsz, t=t, h=h, dk=dk, dv=dv, tp=tp, n_chunks=tp // CHUNK,
               chunk=CHUNK,
               kp=kp, bk=min(kp, block_k), bv=bv, nv=dv // bv,
+              bv_pass=bv_pass, nv_pass=dv // bv_pass,
               mm=jnp.bfloat16 if v.dtype == jnp.bfloat16 else _F32)
 
 
@@ -674,7 +680,7 @@ def _state_call(w, u, kp_, bp, s0p, lay, interpret):
   seq_k, seq_v, state, states = _pass_specs(lay)
   return pl.pallas_call(
       functools.partial(_state_kernel, n_chunks=lay["n_chunks"], mm=lay["mm"]),
-      grid=(lay["bsz"], lay["h"], lay["nv"]),
+      grid=(lay["bsz"], lay["h"], lay["nv_pass"]),
       in_specs=[seq_k, seq_v, seq_k, seq_k, state],
       out_specs=[states, seq_v, state],
       out_shape=[
@@ -734,7 +740,7 @@ def _dstate_call(qp, kp_, bp, w, dop, dv_intra, dsfp, lay, scale, interpret):
   return pl.pallas_call(
       functools.partial(_dstate_kernel, n_chunks=lay["n_chunks"], scale=scale,
                         mm=lay["mm"]),
-      grid=(lay["bsz"], lay["h"], lay["nv"]),
+      grid=(lay["bsz"], lay["h"], lay["nv_pass"]),
       in_specs=[seq_k, seq_k, seq_k, seq_k, seq_v, seq_v, state],
       out_specs=[states, seq_v, state],
       out_shape=[
@@ -961,7 +967,8 @@ def register():
 if __name__ == "__main__":
   # GPU self-check: B=1, T=32768, H=16, K=V=128 bf16, both paths, forward and
   # forward+backward. Run as:
-  #   PYTHONPATH=. python pallas_kernels/linear_attention/kda_pallas.py [--xla]
+  #   PYTHONPATH=. python pallas_kernels/linear_attention/kda_pallas.py \
+  #       [--xla | --check]
   # The error checks use T=4096 (chunk_kda_ref's [B,H,N,C,C,K] intermediate
   # at T=32768 is ~8.6 GB); pass --xla to time the XLA reference at T=32768.
   import sys

@@ -168,14 +168,24 @@ def _peer_fns():
   return torch, chunk_gla, chunk_kda
 
 
-def time_peer(peer, name, x, iters):
-  torch, chunk_gla, chunk_kda = peer
-  dev = "cuda"
+def peer_inputs(peer, x):
+  """The benchmark inputs as CUDA torch tensors (once per shape)."""
+  torch = peer[0]
   to = lambda a, dt: torch.from_numpy(  # noqa: E731
-      np.asarray(jax.device_get(a), np.float32)).to(dev, dt)
+      np.asarray(jax.device_get(a), np.float32)).to("cuda", dt)
   bf, f32 = torch.bfloat16, torch.float32
-  q, k, v, do = (to(x[n], bf) for n in ("q", "k", "v", "do"))
-  g, beta = to(x["g"], f32), to(x["beta"], bf)
+  out = {n: to(x[n], bf) for n in ("q", "k", "v", "do", "beta")}
+  out["g"] = to(x["g"], f32)
+  return out
+
+
+def time_peer(peer, name, xt, iters):
+  """(fwd ms, fwd+bwd ms) of one fla op on peer_inputs' tensors xt."""
+  torch, chunk_gla, chunk_kda = peer
+  # Fresh leaves per op, so that no autograd state is shared between rows.
+  q, k, v, g, beta = (xt[n].detach().clone()
+                      for n in ("q", "k", "v", "g", "beta"))
+  do = xt["do"]
   leaves = [q, k, v, g, beta]
   for t in leaves:
     t.requires_grad_(True)
@@ -304,6 +314,7 @@ def main(argv):
 
   for shape in _shape_list():
     x = make_inputs(*shape)
+    xt = None  # torch copies of x, made once for the peer rows
     for op in _OPS.value:
       if "pallas" not in ops.available_backends(op) or _PEERS_ONLY.value:
         if not _PEERS_ONLY.value:
@@ -323,14 +334,16 @@ def main(argv):
                time_jax(op, "xla", None, x, max(3, _ITERS.value // 4),
                         fwd_only=op in _FWD_ONLY.value))
       if peer is not None:
+        if xt is None:
+          xt = peer_inputs(peer, x)
         names = (["fla chunk_gla"] if op == "gla" else
                  ["fla chunk_kda safe_gate", "fla chunk_kda"])
         for name in names:
           try:
-            record(op, shape, name, time_peer(peer, name, x, _ITERS.value))
+            record(op, shape, name, time_peer(peer, name, xt, _ITERS.value))
           except Exception as e:  # pylint: disable=broad-except
             print(f"{name} failed: {type(e).__name__}: {e}"[:2000])
-    del x
+    del x, xt
 
   acc = None
   if _CHECK_T.value and "gla" in _OPS.value and not _PEERS_ONLY.value:

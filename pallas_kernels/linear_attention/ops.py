@@ -114,8 +114,11 @@ def _shape(x):
   return tuple(getattr(x, "shape", ()))
 
 
-def _validate(q, k, v, g, beta, initial_state, chunk_size, g_min):
-  """Static checks only (shapes and python options); g values are traced."""
+def check_shapes(q, k, v, g, beta, initial_state, *, need_beta=False):
+  """Shape checks shared by the ops and the kernels; returns (B, H, K, V).
+
+  beta is checked when given (KDA; need_beta: it must be given).
+  """
   if len(_shape(q)) != 4:
     raise ValueError(f"q must have rank 4 [B, T, H, K], got shape {_shape(q)}")
   bsz, t, h, dk = _shape(q)
@@ -127,12 +130,18 @@ def _validate(q, k, v, g, beta, initial_state, chunk_size, g_min):
     raise ValueError(f"v must have shape [B, T, H, V] with [B, T, H]="
                      f"{(bsz, t, h)} as in q, got {_shape(v)}")
   dv = _shape(v)[3]
-  if beta is not None and _shape(beta) != (bsz, t, h):
+  if (beta is not None or need_beta) and _shape(beta) != (bsz, t, h):
     raise ValueError(f"beta must have shape [B, T, H]={(bsz, t, h)}, got "
                      f"{_shape(beta)}")
   if initial_state is not None and _shape(initial_state) != (bsz, h, dk, dv):
     raise ValueError(f"initial_state must have shape [B, H, K, V]="
                      f"{(bsz, h, dk, dv)}, got {_shape(initial_state)}")
+  return bsz, h, dk, dv
+
+
+def _validate(q, k, v, g, beta, initial_state, chunk_size, g_min):
+  """Static checks only (shapes and python options); g values are traced."""
+  check_shapes(q, k, v, g, beta, initial_state)
   if (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
       or chunk_size not in CHUNK_SIZES):
     raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got "

@@ -3,6 +3,7 @@
     o, final_state = gla(q, k, v, g, ...)
     o, final_state = kda(q, k, v, g, beta, ...)
     o, new_state   = gla_step(q, k, v, g, state) / kda_step(q, k, v, g, beta, state)
+                     (one token, decoding; q, k, g [B, H, K], states fp32)
 
 Shapes (DESIGN 3.2): q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H];
 states [B, H, K, V] fp32. o comes back in v.dtype, states in fp32.
@@ -40,12 +41,19 @@ _IMPLS: Dict[str, Dict[str, Callable]] = {}
 
 
 def register_backend(backend: str, *, gla: Optional[Callable] = None,
-                     kda: Optional[Callable] = None) -> None:
-  """Registers implementations of the ops for a backend (kernel modules call this)."""
+                     kda: Optional[Callable] = None,
+                     gla_step: Optional[Callable] = None,
+                     kda_step: Optional[Callable] = None) -> None:
+  """Registers implementations of the ops for a backend (kernel modules call this).
+
+  The one-token steps have the signature
+    step(q, k, v, g, [beta,] state, *, scale) -> (o [B, H, V], new_state fp32).
+  """
   if backend not in BACKENDS or backend == "auto":
     raise ValueError(f"backend must be one of {BACKENDS[1:]}, got {backend!r}")
   table = _IMPLS.setdefault(backend, {})
-  for name, fn in (("gla", gla), ("kda", kda)):
+  for name, fn in (("gla", gla), ("kda", kda), ("gla_step", gla_step),
+                   ("kda_step", kda_step)):
     if fn is not None:
       table[name] = fn
 
@@ -67,7 +75,8 @@ def _xla_kda(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min):
                        initial_state=initial_state, chunk_size=chunk_size)
 
 
-register_backend("xla", gla=_xla_gla, kda=_xla_kda)
+register_backend("xla", gla=_xla_gla, kda=_xla_kda,
+                 gla_step=recurrent_step_gla, kda_step=recurrent_step_kda)
 
 
 # Ops whose Pallas kernel has only the bounded path (g_min required).
@@ -214,9 +223,33 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, backend="auto",
               chunk_size=chunk_size, g_min=g_min)
 
 
-# One-token steps for decoding: (q, k, v, g, [beta,] state) -> (o, new_state).
-gla_step = recurrent_step_gla
-kda_step = recurrent_step_kda
+def _resolve_step(op: str, backend: str):
+  """The step implementation: "auto" is the Pallas kernel on a GPU when one
+  is registered, else the XLA step (the kernel checks its own K, V limits)."""
+  if not isinstance(backend, str) or backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+  if backend == "auto":
+    on_gpu = jax.default_backend() == "gpu"
+    backend = "pallas" if on_gpu and op in _IMPLS.get("pallas", {}) else "xla"
+  impl = _IMPLS.get(backend, {}).get(op)
+  if impl is None:
+    raise NotImplementedError(
+        f"{op}: backend={backend!r} has no implementation registered; "
+        f"available: {available_backends(op)}")
+  return impl
+
+
+def gla_step(q, k, v, g, state, *, scale=None, backend="auto"):
+  """One GLA token (decoding): q, k, g [B, H, K]; v [B, H, V];
+  state [B, H, K, V]. Returns o [B, H, V] in v.dtype, new state fp32."""
+  return _resolve_step("gla_step", backend)(q, k, v, g, state, scale=scale)
+
+
+def kda_step(q, k, v, g, beta, state, *, scale=None, backend="auto"):
+  """One KDA token (decoding): q, k, g [B, H, K]; v [B, H, V]; beta [B, H];
+  state [B, H, K, V]. Returns o [B, H, V] in v.dtype, new state fp32."""
+  return _resolve_step("kda_step", backend)(q, k, v, g, beta, state,
+                                            scale=scale)
 
 __all__ = ["gla", "kda", "gla_step", "kda_step", "register_backend",
            "available_backends", "BACKENDS", "CHUNK_SIZES"]

@@ -193,6 +193,11 @@ def init_distributed(coordinator_address: str | None,
       num_processes is not None and process_id >= num_processes)):
     raise ValueError(f"--process_id must be in [0, {num_processes}), got "
                      f"{process_id}")
+  try:  # collectives between CPU processes (tests, CPU clusters); the GPU
+    # backend does not read this option.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  except (AttributeError, ValueError):  # pragma: no cover - older/newer jax
+    pass
   jax.distributed.initialize(coordinator_address=coordinator_address,
                              num_processes=num_processes,
                              process_id=process_id)

@@ -9,8 +9,9 @@ oracle. Per (batch, head, V block), with the state block S [K, BV] fp32:
 Decoding is memory bound (the state is read and written once per token), so
 the kernel is elementwise products and column sums on the [K, BV] block, no
 dots: a [1, K] x [K, BV] product would waste a 16-row tensor-core tile. The
-new state is written over the old one (input_output_aliases), so a caller
-that donates the state updates it in place. K is padded to a power of two
+new state is aliased to the state input (input_output_aliases): inside a
+jitted decode loop that donates the state (and K a power of two, so no pad
+copy), XLA can update it in place. K is padded to a power of two
 with zero channels (g = 0, q = k = 0: the padded state rows stay zero).
 """
 from __future__ import annotations

@@ -3,6 +3,8 @@ rule, auxiliary loss, and no balancing, with everything else held fixed.
 
 Run the whole sweep (resumable; rerun to continue) and write the comparison:
   python -m experiments.sweep --config=configs/ablations.py --workdir=runs/ablations
+With 32 sequences per batch (the run recorded in results/load_balancing.md):
+  python -m experiments.sweep --config=configs/ablations.py:batch32 --workdir=runs/abl_b32
 A tiny, fast version (what the tests and notebook 02 use):
   python -m experiments.sweep --config=configs/ablations.py:tiny,smoke --workdir=/tmp/abl
 On a GPU, against the ~100M model:

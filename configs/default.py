@@ -34,6 +34,9 @@ VARIANTS = {
     "extreme": setter(**{"model.moe.num_experts": 256, "model.moe.top_k": 8,
                          "model.moe.d_expert": 16}),
     "latent_experts": setter(**{"model.moe.expert_latent_dim": 32}),
+    # 32 sequences per batch (the load-balancing comparison in
+    # results/load_balancing.md: halves the per-batch MaxVio noise floor).
+    "batch32": setter(**{"data.batch_size": 32}),
     # Smaller and shorter, for tests and notebooks.
     "tiny": setter(**{"model.d_model": 32, "model.num_layers": 2,
                       "model.layer_pattern": "KM", "model.kda.chunk_size": 16,

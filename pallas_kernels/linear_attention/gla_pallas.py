@@ -363,33 +363,40 @@ def _mm_dtype(v):
   return jnp.bfloat16 if v.dtype == jnp.bfloat16 else _F32
 
 
-def _state_pass(kp_, vp_, gp_, s0p, *, n_chunks, tune, interpret):
-  """States entering each chunk [B, H, N, Kp, V] fp32 and the final state."""
-  bsz, tp, h, kp = kp_.shape
-  dv = vp_.shape[-1]
+def _pass_call(kernel, x_k, x_v, y_k, state, *, n_chunks, tune, interpret,
+               name):
+  """A sequential pass over chunks (the state pass and its reverse), grid
+  (B, H, K blocks, V blocks): x_k, y_k [B, Tp, H, Kp] and x_v [B, Tp, H, V]
+  whole in T, state [B, H, Kp, V]. Returns the per-chunk states
+  [B, H, N, Kp, V] fp32 and the state left at the end [B, H, Kp, V] fp32."""
+  bsz, tp, h, kp = x_k.shape
+  dv = x_v.shape[-1]
   bk, bv = _block(kp, tune.state_bk), _block(dv, tune.state_bv)
+  seq_k = pl.BlockSpec((None, tp, None, bk), lambda b, hh, i, j: (b, 0, hh, i))
+  seq_v = pl.BlockSpec((None, tp, None, bv), lambda b, hh, i, j: (b, 0, hh, j))
+  blk = pl.BlockSpec((None, None, bk, bv), lambda b, hh, i, j: (b, hh, i, j))
   return pl.pallas_call(
-      functools.partial(_state_kernel, n_chunks=n_chunks, mm=_mm_dtype(vp_)),
+      kernel,
       grid=(bsz, h, kp // bk, dv // bv),
-      in_specs=[
-          pl.BlockSpec((None, tp, None, bk), lambda b, hh, i, j: (b, 0, hh, i)),
-          pl.BlockSpec((None, tp, None, bv), lambda b, hh, i, j: (b, 0, hh, j)),
-          pl.BlockSpec((None, tp, None, bk), lambda b, hh, i, j: (b, 0, hh, i)),
-          pl.BlockSpec((None, None, bk, bv), lambda b, hh, i, j: (b, hh, i, j)),
-      ],
-      out_specs=[
-          pl.BlockSpec((None, None, n_chunks, bk, bv),
-                       lambda b, hh, i, j: (b, hh, 0, i, j)),
-          pl.BlockSpec((None, None, bk, bv), lambda b, hh, i, j: (b, hh, i, j)),
-      ],
+      in_specs=[seq_k, seq_v, seq_k, blk],
+      out_specs=[pl.BlockSpec((None, None, n_chunks, bk, bv),
+                              lambda b, hh, i, j: (b, hh, 0, i, j)), blk],
       out_shape=[
           jax.ShapeDtypeStruct((bsz, h, n_chunks, kp, dv), _F32),
           jax.ShapeDtypeStruct((bsz, h, kp, dv), _F32),
       ],
       compiler_params=_compiler_params(tune.state_warps, tune.num_stages),
       interpret=interpret,
-      name="gla_state_pass",
-  )(kp_, vp_, gp_, s0p)
+      name=name,
+  )(x_k, x_v, y_k, state)
+
+
+def _state_pass(kp_, vp_, gp_, s0p, *, n_chunks, tune, interpret):
+  """States entering each chunk [B, H, N, Kp, V] fp32 and the final state."""
+  return _pass_call(
+      functools.partial(_state_kernel, n_chunks=n_chunks, mm=_mm_dtype(vp_)),
+      kp_, vp_, gp_, s0p, n_chunks=n_chunks, tune=tune, interpret=interpret,
+      name="gla_state_pass")
 
 
 def _chunk_spec(d):
@@ -447,29 +454,10 @@ def _gla_bwd(q, k, v, g, s0, do, ds_final, *, scale, bounded, tune,
   states, s_final = _state_pass(kp_, vp, gp, s0p, n_chunks=n_chunks,
                                 tune=tune, interpret=interpret)
 
-  sbk, sbv = _block(kp, tune.state_bk), _block(dv, tune.state_bv)
-  dstates, ds0 = pl.pallas_call(
+  dstates, ds0 = _pass_call(
       functools.partial(_dstate_kernel, n_chunks=n_chunks, scale=scale, mm=mm),
-      grid=(bsz, h, kp // sbk, dv // sbv),
-      in_specs=[
-          pl.BlockSpec((None, tp, None, sbk), lambda b, hh, i, j: (b, 0, hh, i)),
-          pl.BlockSpec((None, tp, None, sbv), lambda b, hh, i, j: (b, 0, hh, j)),
-          pl.BlockSpec((None, tp, None, sbk), lambda b, hh, i, j: (b, 0, hh, i)),
-          pl.BlockSpec((None, None, sbk, sbv), lambda b, hh, i, j: (b, hh, i, j)),
-      ],
-      out_specs=[
-          pl.BlockSpec((None, None, n_chunks, sbk, sbv),
-                       lambda b, hh, i, j: (b, hh, 0, i, j)),
-          pl.BlockSpec((None, None, sbk, sbv), lambda b, hh, i, j: (b, hh, i, j)),
-      ],
-      out_shape=[
-          jax.ShapeDtypeStruct((bsz, h, n_chunks, kp, dv), _F32),
-          jax.ShapeDtypeStruct((bsz, h, kp, dv), _F32),
-      ],
-      compiler_params=_compiler_params(tune.state_warps, tune.num_stages),
-      interpret=interpret,
-      name="gla_dstate_pass",
-  )(qp, dop, gp, dsfp)
+      qp, dop, gp, dsfp, n_chunks=n_chunks, tune=tune, interpret=interpret,
+      name="gla_dstate_pass")
 
   bv = _block(dv, tune.grad_bv)
   nv = dv // bv

@@ -323,6 +323,16 @@ def _store_tiles(ref, tiles):
       ref[_rows(i), pl.ds(j * TILE, TILE)] = t
 
 
+def _store_lower_product(out_ref, cols, mt, rhs, mm):
+  """out[tile i, cols] = sum_{j <= i} M_ij rhs_j for lower-triangular tiles
+  mt {(i, j): [16, 16]} and rhs 4 x [16, w]."""
+  for i in range(N_TILES):
+    acc = _dot(mt[i, 0], rhs[0], mm=mm)
+    for j in range(1, i + 1):
+      acc = acc + _dot(mt[i, j], rhs[j], mm=mm)
+    out_ref[_rows(i), cols] = acc.astype(out_ref.dtype)
+
+
 # ---------------------------------------------------------------------------
 # Kernel 1: the chunk's matrices (Aqk, M, Lk), W and U, parallel over chunks.
 # ---------------------------------------------------------------------------
@@ -361,24 +371,16 @@ def _intra_kernel(q_ref, k_ref, b_ref, beta_ref, v_ref, w_ref, u_ref, aqk_ref,
   # W = M (beta k exp(b)), slice by slice of K.
   for cols in k_slices:
     b, _, _ = _decay_tiles(b_ref, cols)
-    rk = [beta_t[j] * k_ref[_rows(j), cols].astype(_F32) * jnp.exp(b[j])
-          for j in range(N_TILES)]
-    for i in range(N_TILES):
-      w = _dot(mt[i, 0], rk[0], mm=mm)
-      for j in range(1, i + 1):
-        w = w + _dot(mt[i, j], rk[j], mm=mm)
-      w_ref[_rows(i), cols] = w.astype(w_ref.dtype)
+    _store_lower_product(w_ref, cols, mt, [
+        beta_t[j] * k_ref[_rows(j), cols].astype(_F32) * jnp.exp(b[j])
+        for j in range(N_TILES)], mm)
 
   # U = M (beta v), V in blocks of bv columns (power-of-two loads).
   for cv in range(0, v_ref.shape[-1], bv):
     cols = pl.ds(cv, bv)
-    rv = [beta_t[j] * v_ref[_rows(j), cols].astype(_F32)
-          for j in range(N_TILES)]
-    for i in range(N_TILES):
-      u = _dot(mt[i, 0], rv[0], mm=mm)
-      for j in range(1, i + 1):
-        u = u + _dot(mt[i, j], rv[j], mm=mm)
-      u_ref[_rows(i), cols] = u.astype(u_ref.dtype)
+    _store_lower_product(u_ref, cols, mt, [
+        beta_t[j] * v_ref[_rows(j), cols].astype(_F32)
+        for j in range(N_TILES)], mm)
 
 
 # ---------------------------------------------------------------------------

@@ -23,11 +23,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.linear_attention import ops
-
-try:  # Triton compiler params (jax 0.10 - 0.12); absent -> default params.
-  from jax.experimental.pallas import triton as plgpu_triton
-except ImportError:  # pragma: no cover
-  plgpu_triton = None
+from pallas_kernels.linear_attention.kda_pallas import (_block_v,
+                                                        _compiler_params)
 
 _F32 = jnp.float32
 MAX_DIM = 256
@@ -50,13 +47,6 @@ def _step_kernel(q_ref, k_ref, g_ref, bk_ref, v_ref, s_ref, o_ref, snew_ref, *,
   snew_ref[...] = s
   o_ref[...] = (scale * jnp.sum(q_ref[...].astype(_F32)[:, None] * s,
                                 axis=0)).astype(o_ref.dtype)
-
-
-def _block_v(dv, cap=64):
-  bv = cap
-  while dv % bv:
-    bv //= 2
-  return bv
 
 
 def _check(q, k, v, g, beta, state, what):
@@ -97,8 +87,6 @@ def _step(q, k, v, g, bk, state, *, scale, delta, interpret):
   vec_k = pl.BlockSpec((None, None, kp), lambda b, hh, j: (b, hh, 0))
   vec_v = pl.BlockSpec((None, None, bv), lambda b, hh, j: (b, hh, j))
   blk = pl.BlockSpec((None, None, kp, bv), lambda b, hh, j: (b, hh, 0, j))
-  params = (plgpu_triton.CompilerParams(num_warps=4, num_stages=1)
-            if plgpu_triton is not None else None)
   o, s = pl.pallas_call(
       functools.partial(_step_kernel, scale=scale, delta=delta),
       grid=(bsz, h, dv // bv),
@@ -107,7 +95,7 @@ def _step(q, k, v, g, bk, state, *, scale, delta, interpret):
       out_shape=[jax.ShapeDtypeStruct((bsz, h, dv), v.dtype),
                  jax.ShapeDtypeStruct((bsz, h, kp, dv), _F32)],
       input_output_aliases={5: 1},
-      compiler_params=params,
+      compiler_params=_compiler_params(num_warps=4, num_stages=1),
       interpret=interpret,
       name="kda_step" if delta else "gla_step",
   )(q, k, g, bk, v, state)

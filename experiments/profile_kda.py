@@ -7,10 +7,12 @@ per configuration, so that a slow kernel is named rather than guessed.
 
   PYTHONPATH=. python -m experiments.profile_kda --out=/tmp/prof_kda
   PYTHONPATH=. python -m experiments.profile_kda --b=1 --t=32768 \
-      --configs=bounded:128,bounded:32,unbounded:32 --warps=0,8 \
-      --pass_bv=64,32
+      --configs=bounded:128,bounded:32,unbounded:32 --warps=0,1,2,8 \
+      --stages=0,1,3 --pass_bv=64,32
 
---warps=0 keeps each kernel's own warp count; N forces N warps everywhere.
+--warps=0 keeps each kernel's own warp count (kda_pallas.NUM_WARPS); N forces
+N warps on every kernel, so one sweep gives each kernel's best count.
+--stages likewise (0: kda_pallas.NUM_STAGES).
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ _PASS_BV = flags.DEFINE_list("pass_bv", ["0"],
                               "0: default; N: V block width of the "
                               "sequential state passes (BLOCK_V_PASS).")
 _WARPS = flags.DEFINE_list("warps", ["0"], "0: kernel defaults; N: force N.")
+_STAGES = flags.DEFINE_list("stages", ["0"], "0: default; N: force N.")
 _ITERS = flags.DEFINE_integer("iters", 10, "Timed iterations (median).")
 _INTERPRET = flags.DEFINE_bool("interpret", False,
                                "Interpret mode (a CPU smoke test).")
@@ -113,6 +116,7 @@ def profile(x, bounded, block_k, iters, interpret=False):
       qp, kp_, bp, betap, dop, v_new, du, da, dlk, states, dstates), iters)
 
   g_min = -5.0 if bounded else None
+
   run = lambda *a: kp.kda_pallas(  # noqa: E731
       *a, scale=None, initial_state=None, chunk_size=64, g_min=g_min,
       bounded=bounded, block_k=block_k, interpret=interpret)
@@ -120,7 +124,7 @@ def profile(x, bounded, block_k, iters, interpret=False):
 
   @jax.jit
   def fwd_bwd(q, k, v, g, beta, do):
-    o, vjp = jax.vjp(lambda *a: run(*a)[0], q, k, v, g, beta)
+    _, vjp = jax.vjp(lambda *a: run(*a)[0], q, k, v, g, beta)
     return vjp(do)
 
   c["total fwd"] = _median_ms(lambda: fwd(q, k, v, g, beta), iters)
@@ -135,22 +139,21 @@ def main(argv):
   print(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}  "
         f"B={_B.value} T={_T.value} H={_H.value} D={_D.value} bf16")
   x = inputs(_B.value, _T.value, _H.value, _D.value)
-  orig = kp._compiler_params  # pylint: disable=protected-access
-  results = []
+  orig_warps, orig_stages = dict(kp.NUM_WARPS), kp.NUM_STAGES
   orig_bv = kp.BLOCK_V_PASS
-  sweep = [(int(w), int(p)) for w in _WARPS.value for p in _PASS_BV.value]
-  for warps, pass_bv in sweep:
+  results = []
+  sweep = [(int(w), int(st), int(p)) for w in _WARPS.value
+           for st in _STAGES.value for p in _PASS_BV.value]
+  for warps, stages, pass_bv in sweep:
     kp.BLOCK_V_PASS = pass_bv or orig_bv
-    jax.clear_caches()  # the jitted fwd/bwd read BLOCK_V_PASS when traced
-    if warps:
-      kp._compiler_params = (  # pylint: disable=protected-access
-          lambda num_warps=4, num_stages=2, _w=warps: orig(_w, num_stages))
-    else:
-      kp._compiler_params = orig  # pylint: disable=protected-access
+    kp.NUM_WARPS = ({n: warps for n in orig_warps} if warps
+                    else dict(orig_warps))
+    kp.NUM_STAGES = stages or orig_stages
+    jax.clear_caches()  # the jitted kernels read these when traced
     for cfg in _CONFIGS.value:
       path, block_k = cfg.split(":")
       name = (f"{path} block_k={block_k} warps={warps or 'default'} "
-              f"pass_bv={kp.BLOCK_V_PASS}")
+              f"stages={kp.NUM_STAGES} pass_bv={kp.BLOCK_V_PASS}")
       try:
         c = profile(x, path == "bounded", int(block_k), _ITERS.value,
                     _INTERPRET.value)
@@ -160,9 +163,9 @@ def main(argv):
       results.append(dict(config=name, ms=c))
       with open(os.path.join(_OUT.value, "rows.jsonl"), "a") as fh:
         fh.write(json.dumps(results[-1]) + "\n")
-      print(f"\n{name}\n" + "\n".join(f"  {k:<28} {ms:9.3f} ms"
+      print(f"\n{name}\n" + "\n".join(f"  {k:<36} {ms:9.3f} ms"
                                       for k, ms in c.items()), flush=True)
-  kp._compiler_params = orig  # pylint: disable=protected-access
+  kp.NUM_WARPS, kp.NUM_STAGES = orig_warps, orig_stages
   kp.BLOCK_V_PASS = orig_bv
 
 

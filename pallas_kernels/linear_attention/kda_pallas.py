@@ -77,7 +77,10 @@ multiple of 64; beta is moved to [B, H, T]):
   3. `_output_kernel`, grid (B, H, N, V/BV), parallel:
      O = scale * ((q exp(b)) S_n + Aqk V'): two dense dots per chunk.
 
-Backward (recomputes 1 and 2; nothing O(T*K*V) is kept from the forward).
+Backward. The forward keeps b and kernel 1's outputs (W, U, Aqk, M, Lk:
+O(T (K + V + 3 C)), about the size of the inputs) as residuals, so kernel 1
+never runs twice; kernel 2 (the state pass) is re-run rather than keeping
+its O(T K V / C) fp32 states (in one jit XLA merges it with the forward's).
 With dO the output cotangent and dH_n the gradient w.r.t. the state LEAVING
 chunk n, per chunk (S = S_n, dH = dH_n):
     dV'     = scale Aqk^T dO + (k exp(b_C - b)) dH
@@ -122,7 +125,9 @@ Kernels:
   Launch: 4 warps everywhere (untuned beyond block_k and BLOCK_V_PASS).
   Measured on an H200 (B1 T32768 H16 D128 bf16, bounded, profile_kda):
   intra 5.4, state 2.3, output 0.7 | dv_intra 0.3, dstate 4.5, grad_v 0.7,
-  grad_k 4.9 ms (the backward also re-runs intra and state).
+  grad_k 4.9 ms at 4 warps everywhere; per-kernel warps (NUM_WARPS) since:
+  forward 7.0 ms, forward+backward 16.5 ms (num_stages 1; see
+  results/kernels.md).
 The wrapper pads T with q=k=v=0, g=0, beta=0 (inert: L rows/columns vanish,
 V' = 0, dV' = 0, the state is unchanged) and K to a power of two with zero
 channels, only when needed, and slices back. Dots accumulate in fp32; with
@@ -162,6 +167,16 @@ BLOCK_K_UNBOUNDED = 32   # K slice width, unbounded path ([16, 16, bk] pairs)
 # each walking every chunk). H200, B1 T32768 H16 D128 bf16 bounded: 64 ->
 # state 2.77, dstate 5.58 ms; 32 -> 2.34, 4.54 ms (more programs).
 BLOCK_V_PASS = 32
+# Triton launch parameters per kernel (read when a kernel is traced;
+# experiments/profile_kda.py --warps sweeps them).
+# H200, B1 T32768 H16 D128 bf16 bounded, ms at 1 / 2 / 4 / 8 warps:
+#   intra 4.23 / 3.61 / 5.65 / 9.18     state 10.0 / 5.08 / 2.66 / 2.36
+#   output 1.60 / 0.77 / 0.62 / 0.83    dv_intra 0.40 / 0.30 / 0.31 / 0.56
+#   dstate 25.6 / 9.50 / 4.72 / 3.23    grad_v 1.60 / 0.99 / 0.79 / 1.04
+#   grad_k 12.5 / 7.37 / 5.00 / 8.69    (results/kernels.md)
+NUM_WARPS = dict(intra=2, state=8, output=4, dv_intra=2, dstate=8, grad_v=4,
+                 grad_k=4)
+NUM_STAGES = 2
 
 __all__ = ["kda_pallas", "register", "GMinError", "G_MIN_LOWEST"]
 
@@ -170,6 +185,10 @@ def _compiler_params(num_warps=4, num_stages=2):
   if plgpu_triton is None:
     return None
   return plgpu_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _params(kernel):
+  return _compiler_params(NUM_WARPS[kernel], NUM_STAGES)
 
 
 def _next_pow2(n):
@@ -648,17 +667,26 @@ def _shape_of(lay, *names, dtype=_F32):
   return jax.ShapeDtypeStruct(tuple(lay[n] for n in names), dtype)
 
 
-def _prepare(q, k, v, g, beta, s0, lay):
+def _prepare_inputs(q, k, v, beta, s0, lay):
+  """Padded q, k [B, Tp, H, Kp], v [B, Tp, H, V], beta [B, H, Tp] fp32 and
+  s0 [B, H, Kp, V] fp32."""
   tp, kp, dk = lay["tp"], lay["kp"], lay["dk"]
-  qp, kp_, gp = (_pad(x, tp, kp) for x in (q, k, g.astype(_F32)))
-  # b: the within-chunk inclusive cumsum of g, once for all kernels.
-  bsz, h = lay["bsz"], lay["h"]
-  bp = jnp.cumsum(gp.reshape(bsz, lay["n_chunks"], CHUNK, h, kp),
-                  axis=2).reshape(bsz, tp, h, kp)
+  qp, kp_ = _pad(q, tp, kp), _pad(k, tp, kp)
   vp = _pad(v, tp, lay["dv"])
   betap = jnp.pad(jnp.transpose(beta.astype(_F32), (0, 2, 1)),
                   ((0, 0), (0, 0), (0, tp - lay["t"])))       # [B, H, Tp]
   s0p = jnp.pad(s0.astype(_F32), ((0, 0), (0, 0), (0, kp - dk), (0, 0)))
+  return qp, kp_, vp, betap, s0p
+
+
+def _prepare(q, k, v, g, beta, s0, lay):
+  """_prepare_inputs plus b [B, Tp, H, Kp] fp32, the within-chunk inclusive
+  cumsum of g, computed once for all kernels."""
+  qp, kp_, vp, betap, s0p = _prepare_inputs(q, k, v, beta, s0, lay)
+  gp = _pad(g.astype(_F32), lay["tp"], lay["kp"])
+  bsz, h, tp, kp = lay["bsz"], lay["h"], lay["tp"], lay["kp"]
+  bp = jnp.cumsum(gp.reshape(bsz, lay["n_chunks"], CHUNK, h, kp),
+                  axis=2).reshape(bsz, tp, h, kp)
   return qp, kp_, vp, bp, betap, s0p
 
 
@@ -683,7 +711,7 @@ def _wu_call(qp, kp_, bp, betap, vp, lay, bounded, interpret,
                 _beta_spec(), _chunk_spec(dv)],
       out_specs=out_specs,
       out_shape=out_shape,
-      compiler_params=_compiler_params(num_warps=4, num_stages=2),
+      compiler_params=_params("intra"),
       interpret=interpret,
       name="kda_chunk_intra",
   )(qp, kp_, bp, betap, vp)
@@ -702,19 +730,10 @@ def _state_call(w, u, kp_, bp, s0p, lay, interpret):
           _shape_of(lay, "bsz", "tp", "h", "dv", dtype=lay["mm"]),
           _shape_of(lay, "bsz", "h", "kp", "dv"),
       ],
-      compiler_params=_compiler_params(num_warps=4, num_stages=2),
+      compiler_params=_params("state"),
       interpret=interpret,
       name="kda_state_pass",
   )(w, u, kp_, bp, s0p)
-
-
-def _recompute(qp, kp_, vp, bp, betap, s0p, lay, bounded, interpret,
-               for_backward=False):
-  """Kernels 1 and 2: (W, U, Aqk[, M, Lk]) and (states entering each chunk,
-  V', final state)."""
-  intra = _wu_call(qp, kp_, bp, betap, vp, lay, bounded, interpret,
-                   for_backward)
-  return intra, _state_call(intra[0], intra[1], kp_, bp, s0p, lay, interpret)
 
 
 def _output_call(qp, bp, aqk, v_new, states, lay, scale, dtype, interpret):
@@ -727,7 +746,7 @@ def _output_call(qp, bp, aqk, v_new, states, lay, scale, dtype, interpret):
                 _chunk_spec(bv, True), _state_spec(kp, bv)],
       out_specs=_chunk_spec(bv, True),
       out_shape=_shape_of(lay, "bsz", "tp", "h", "dv", dtype=dtype),
-      compiler_params=_compiler_params(num_warps=4, num_stages=2),
+      compiler_params=_params("output"),
       interpret=interpret,
       name="kda_chunk_output",
   )(qp, bp, aqk, v_new, states)
@@ -742,7 +761,7 @@ def _dvintra_call(aqk, dop, lay, scale, interpret):
       in_specs=[_square_spec(), _chunk_spec(bv, True)],
       out_specs=_chunk_spec(bv, True),
       out_shape=_shape_of(lay, "bsz", "tp", "h", "dv"),
-      compiler_params=_compiler_params(num_warps=4, num_stages=2),
+      compiler_params=_params("dv_intra"),
       interpret=interpret,
       name="kda_chunk_dv_intra",
   )(aqk, dop)
@@ -762,7 +781,7 @@ def _dstate_call(qp, kp_, bp, w, dop, dv_intra, dsfp, lay, scale, interpret):
           _shape_of(lay, "bsz", "tp", "h", "dv"),
           _shape_of(lay, "bsz", "h", "kp", "dv"),
       ],
-      compiler_params=_compiler_params(num_warps=4, num_stages=2),
+      compiler_params=_params("dstate"),
       interpret=interpret,
       name="kda_dstate_pass",
   )(qp, kp_, bp, w, dop, dv_intra, dsfp)
@@ -788,7 +807,7 @@ def _grad_v_call(m, lk, betap, vp, dop, v_new, dv_new, lay, scale, dtype,
           _shape_of(lay, "bsz", "h", "tp", "chunk"),
           _shape_of(lay, "bsz", "h", "tp"),
       ],
-      compiler_params=_compiler_params(num_warps=4, num_stages=2),
+      compiler_params=_params("grad_v"),
       interpret=interpret,
       name="kda_chunk_grad_v",
   )(m, lk, betap, vp, dop, v_new, dv_new)
@@ -815,44 +834,56 @@ def _grad_k_call(qp, kp_, bp, betap, dop, v_new, du, da, dlk, states,
                               lambda b, h, n, j: (j, b, h, n))],
       out_shape=[_shape_of(lay, "bsz", "tp", "h", "kp")] * 3
       + [jax.ShapeDtypeStruct((nk, lay["bsz"], lay["h"], lay["tp"]), _F32)],
-      compiler_params=_compiler_params(num_warps=4, num_stages=2),
+      compiler_params=_params("grad_k"),
       interpret=interpret,
       name="kda_chunk_grad_k",
   )(qp, kp_, bp, betap, dop, v_new, du, da, dlk, states, dstates)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_k", "bounded",
-                                             "interpret"))
+_STATIC = ("scale", "block_k", "bounded", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("for_backward",))
 def _kda_fwd_impl(q, k, v, g, beta, s0, *, scale, block_k, bounded,
-                  interpret):
+                  interpret, for_backward=False):
   """q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; s0 [B, H, K, V].
 
   The kernels read the caller's [B, T, H, D] layout (no transposes); beta is
-  moved to [B, H, Tp] so that a chunk of it is one contiguous row.
+  moved to [B, H, Tp] so that a chunk of it is one contiguous row. With
+  for_backward, also returns the residuals: b and the intra kernel's W, U,
+  Aqk, M, Lk (O(T (K + V + 3 C)), about the size of the inputs).
   """
   lay = _layout(q, v, block_k)
   qp, kp_, vp, bp, betap, s0p = _prepare(q, k, v, g, beta, s0, lay)
-  (_, _, aqk), (states, v_new, s_final) = _recompute(
-      qp, kp_, vp, bp, betap, s0p, lay, bounded, interpret)
-  o = _output_call(qp, bp, aqk, v_new, states, lay, scale, v.dtype,
+  intra = _wu_call(qp, kp_, bp, betap, vp, lay, bounded, interpret,
+                   for_backward)
+  states, v_new, s_final = _state_call(intra[0], intra[1], kp_, bp, s0p, lay,
+                                       interpret)
+  o = _output_call(qp, bp, intra[2], v_new, states, lay, scale, v.dtype,
                    interpret)
-  return o[:, :lay["t"]], s_final[:, :, :lay["dk"]]
+  out = o[:, :lay["t"]], s_final[:, :, :lay["dk"]]
+  if not for_backward:
+    return out
+  return out, (bp, intra)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_k", "bounded",
-                                             "interpret"))
-def _kda_bwd_impl(q, k, v, g, beta, s0, do, ds_final, *, scale, block_k,
-                  bounded, interpret):
-  """(dq, dk, dv, dg, dbeta, ds0) given do [B,T,H,V], ds_final [B,H,K,V]."""
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _kda_bwd_impl(q, k, v, beta, s0, bp, intra, do, ds_final, *,
+                  scale, block_k, bounded, interpret):
+  """(dq, dk, dv, dg, dbeta, ds0) given do [B,T,H,V], ds_final [B,H,K,V] and
+  the forward's residuals (b and the intra kernel's outputs)."""
   lay = _layout(q, v, block_k)
   bsz, h, t, tp, dk, kp, dv, n_chunks = (
       lay[n] for n in ("bsz", "h", "t", "tp", "dk", "kp", "dv", "n_chunks"))
-  qp, kp_, vp, bp, betap, s0p = _prepare(q, k, v, g, beta, s0, lay)
+  qp, kp_, vp, betap, s0p = _prepare_inputs(q, k, v, beta, s0, lay)
   dop = _pad(do.astype(v.dtype), tp, dv)
   dsfp = jnp.pad(ds_final.astype(_F32),
                  ((0, 0), (0, 0), (0, kp - dk), (0, 0)))
-  (w, _, aqk, m, lk), (states, v_new, s_final) = _recompute(
-      qp, kp_, vp, bp, betap, s0p, lay, bounded, interpret, for_backward=True)
+  w, u, aqk, m, lk = intra
+  # The state pass is re-run, not kept (O(T K V / C) fp32): when the forward
+  # and backward share one jit, XLA merges this call with the forward's
+  # identical one (measured: keeping the states changed nothing, 18.19 ms).
+  states, v_new, s_final = _state_call(w, u, kp_, bp, s0p, lay, interpret)
   dv_intra = _dvintra_call(aqk, dop, lay, scale, interpret)
   dstates, dv_new, ds0 = _dstate_call(qp, kp_, bp, w, dop, dv_intra, dsfp, lay,
                                       scale, interpret)
@@ -873,8 +904,7 @@ def _kda_bwd_impl(q, k, v, g, beta, s0, do, ds_final, *, scale, block_k,
   dbeta = jnp.transpose(dbeta_v + jnp.sum(dbeta_k, axis=0), (0, 2, 1))[:, :t]
   dq, dk_, dg = (x[:, :t, :, :dk] for x in (dq, dk_, dg))
   return (dq.astype(q.dtype), dk_.astype(k.dtype), dvp[:, :t],
-          dg.astype(g.dtype), dbeta.astype(beta.dtype), ds0[:, :, :dk])
-
+          dg, dbeta.astype(beta.dtype), ds0[:, :, :dk])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
@@ -884,16 +914,20 @@ def _kda_pallas_vjp(q, k, v, g, beta, s0, scale, block_k, bounded, interpret):
 
 
 def _vjp_fwd(q, k, v, g, beta, s0, scale, block_k, bounded, interpret):
-  out = _kda_fwd_impl(q, k, v, g, beta, s0, scale=scale, block_k=block_k,
-                      bounded=bounded, interpret=interpret)
-  return out, (q, k, v, g, beta, s0)
+  # The forward keeps what its intra kernel built (b, W, U, Aqk, M, Lk): the
+  # backward does not re-run that kernel (H200, B1 T32768 H16 D128: 5.4 ms).
+  out, (bp, intra) = _kda_fwd_impl(
+      q, k, v, g, beta, s0, scale=scale, block_k=block_k, bounded=bounded,
+      interpret=interpret, for_backward=True)
+  return out, (q, k, v, beta, s0, bp, intra)
 
 
 def _vjp_bwd(scale, block_k, bounded, interpret, res, cts):
-  q, k, v, g, beta, s0 = res
+  q, k, v, beta, s0, bp, intra = res
   do, ds_final = cts
-  return _kda_bwd_impl(q, k, v, g, beta, s0, do, ds_final, scale=scale,
-                       block_k=block_k, bounded=bounded, interpret=interpret)
+  return _kda_bwd_impl(q, k, v, beta, s0, bp, intra, do, ds_final,
+                       scale=scale, block_k=block_k, bounded=bounded,
+                       interpret=interpret)
 
 
 _kda_pallas_vjp.defvjp(_vjp_fwd, _vjp_bwd)

@@ -55,6 +55,8 @@ _CHECK_GRADS = flags.DEFINE_bool("check_grads", True,
 _FWD_ONLY = flags.DEFINE_list("fwd_only", [],
                               "Ops timed forward only (e.g. while their "
                               "backward is still the XLA oracle's VJP).")
+_OURS = flags.DEFINE_list("ours", ["bounded", "unbounded"],
+                          "Which of our paths to time: bounded, unbounded.")
 _SKIP_PEERS = flags.DEFINE_bool("skip_peers", False, "Do not run fla.")
 _PEERS_ONLY = flags.DEFINE_bool(
     "peers_only", False, "Time only fla, in a process whose JAX stays on the "
@@ -321,7 +323,8 @@ def main(argv):
           print(f"{op}: no Pallas kernel registered; skipped")
         ours = ()
       else:
-        ours = (("ours bounded", G_MIN), ("ours unbounded", None))
+        ours = tuple((f"ours {path}", G_MIN if path == "bounded" else None)
+                     for path in _OURS.value)
       for impl, g_min in ours:
         try:
           record(op, shape, impl, time_jax(

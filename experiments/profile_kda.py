@@ -79,23 +79,23 @@ def profile(x, bounded, block_k, iters, interpret=False):
   s0 = jnp.zeros((bsz, h, dk, v.shape[-1]), jnp.float32)
   lay = kp._layout(q, v, block_k)  # pylint: disable=protected-access
   prep = jax.jit(lambda *a: kp._prepare(*a, lay))  # pylint: disable=protected-access
-  qp, kp_, vp, bp, betap, s0p = prep(q, k, v, g, beta, s0)
+  qp, kp_, vp, gp, betap, s0p = prep(q, k, v, g, beta, s0)
   dop = kp._pad(do, lay["tp"], lay["dv"])  # pylint: disable=protected-access
   dsfp = jnp.zeros_like(s0p)
   c = {}
-  f = jax.jit(functools.partial(kp._wu_call, lay=lay, bounded=bounded,  # pylint: disable=protected-access
+  f = jax.jit(functools.partial(kp._intra_call, lay=lay, bounded=bounded,  # pylint: disable=protected-access
                                 interpret=interpret, for_backward=True))
-  c["prepare (XLA cumsum, pads)"] = _median_ms(
+  c["prepare (XLA pads)"] = _median_ms(
       lambda: prep(q, k, v, g, beta, s0), iters)
-  c["1 intra (Aqk, Lk, M, W, U)"] = _median_ms(
-      lambda: f(qp, kp_, bp, betap, vp), iters)
-  w, u, aqk, m, lk = f(qp, kp_, bp, betap, vp)
+  c["1 intra (b, Aqk, Lk, M, W, U)"] = _median_ms(
+      lambda: f(qp, kp_, gp, betap, vp), iters)
+  w, u, aqk, qg, kg, ec, bp, m, lk = f(qp, kp_, gp, betap, vp)
   f = jax.jit(functools.partial(kp._state_call, lay=lay, interpret=interpret))  # pylint: disable=protected-access
-  c["2 state pass"] = _median_ms(lambda: f(w, u, kp_, bp, s0p), iters)
-  states, v_new, _ = f(w, u, kp_, bp, s0p)
+  c["2 state pass"] = _median_ms(lambda: f(w, u, kg, ec, s0p), iters)
+  states, v_new, _ = f(w, u, kg, ec, s0p)
   f = jax.jit(functools.partial(kp._output_call, lay=lay, scale=scale,  # pylint: disable=protected-access
                                 dtype=v.dtype, interpret=interpret))
-  c["3 output"] = _median_ms(lambda: f(qp, bp, aqk, v_new, states), iters)
+  c["3 output"] = _median_ms(lambda: f(qg, aqk, v_new, states), iters)
   f = jax.jit(functools.partial(kp._dvintra_call, lay=lay, scale=scale,  # pylint: disable=protected-access
                                 interpret=interpret))
   c["b1 dv_intra"] = _median_ms(lambda: f(aqk, dop), iters)
@@ -103,8 +103,8 @@ def profile(x, bounded, block_k, iters, interpret=False):
   f = jax.jit(functools.partial(kp._dstate_call, lay=lay, scale=scale,  # pylint: disable=protected-access
                                 interpret=interpret))
   c["b2 dstate pass"] = _median_ms(
-      lambda: f(qp, kp_, bp, w, dop, dvi, dsfp), iters)
-  dstates, dv_new, _ = f(qp, kp_, bp, w, dop, dvi, dsfp)
+      lambda: f(qg, kg, ec, w, dop, dvi, dsfp), iters)
+  dstates, dv_new, _ = f(qg, kg, ec, w, dop, dvi, dsfp)
   f = jax.jit(functools.partial(kp._grad_v_call, lay=lay, scale=scale,  # pylint: disable=protected-access
                                 dtype=v.dtype, interpret=interpret))
   c["b3 grad_v (dv, dU', dA, dL)"] = _median_ms(

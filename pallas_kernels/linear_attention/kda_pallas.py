@@ -50,19 +50,26 @@ operands use IEEE fp32 on the GPU, not TF32):
   * off-diagonal tiles of the 64x64 inverse by block forward substitution,
     M_ij = -M_ii sum_{m=j}^{i-1} L_im M_mj.
 
-Decay cumsum: b, the within-chunk inclusive cumsum of g, is computed ONCE in
-XLA (memory bound, like fla's chunk_local_cumsum) and every kernel reads b,
-not g; b_C is b's last row (loaded, not re-summed). Every kernel thus sees
-the same rounded b and the exponent differences (b_C - b_j, b_i - b_j) are
-consistent: recomputing b_C as sum(g) next to cumsum(g) in the state pass
-cost ~5e-6 relative error on the states and ~1e-5 on dg (measured vs a
-float64 reference); with one b the kernels match the fp32 XLA reference's
-own error (~1e-6).
+Decay cumsum: b, the within-chunk inclusive cumsum of g, is computed ONCE,
+inside the intra kernel (tile by tile, `_cumsum_tiles`), which also stores
+what the other kernels need of it: b itself (fp32, for the backward's
+grad_k), q exp(b) and k exp(b_C - b) in the matmul dtype (the dtype the dots
+cast them to anyway, so the stored operands are bit-identical to computing
+them in place) and exp(b_C). Every kernel thus sees the same rounded b and
+the exponent differences (b_C - b_j, b_i - b_j) are consistent: recomputing
+b_C as sum(g) next to cumsum(g) in the state pass cost ~5e-6 relative error
+on the states and ~1e-5 on dg (measured vs a float64 reference); with one b
+the kernels match the fp32 XLA reference's own error (~1e-6). Computing b in
+XLA (a separate pass over g) and the decays inside the sequential passes
+(64 x K exps and an fp32 [C, K] load per chunk on their critical path) cost
+more: on an H200 moving them into the intra kernel took the state pass from
+3.0 to 1.5 ms and the dstate pass from 4.0 to 2.0 ms (results/kernels.md).
 
 Forward kernels (they read the caller's [B, T, H, D] layout, T padded to a
 multiple of 64; beta is moved to [B, H, T]):
-  1. `_intra_kernel`, grid (B, H, N), parallel: Lk and Aqk tiles in one walk
-     over K slices of `bk` columns (the decayed key tiles are shared), M;
+  1. `_intra_kernel`, grid (B, H, N), parallel: b, q exp(b), k exp(b_C - b),
+     exp(b_C), Lk and Aqk tiles in one walk over K slices of `bk` columns
+     (the decayed key tiles are shared), M;
      stores Aqk [C, C] (and, for the backward, M [C, C] in the matmul dtype
      and Lk [C, C] fp32) as dense lower-triangular matrices [B, H, T, C],
      then W [C, K] (slice by slice) and U [C, V] (matmul dtype). Storing the
@@ -72,13 +79,15 @@ multiple of 64; beta is moved to [B, H, T]):
      slower on the H200: 7.5 + 0.5 ms against 5.4 ms for this fused kernel.)
   2. `_state_kernel`, grid (B, H, V/BV_PASS): a sequential fori_loop over
      chunks storing the state ENTERING each chunk [B, H, N, K, V] fp32, the
-     new values V' = U - W S [B, T, H, V] and the final state. Unlike GLA, K
-     is not blocked: W S contracts over all of K (V blocks are independent).
+     new values V' = U - W S [B, T, H, V] and the final state; per chunk two
+     dots and loads of W, U, k exp(b_C - b) and exp(b_C). Unlike GLA, K is
+     not blocked: W S contracts over all of K (V blocks are independent).
   3. `_output_kernel`, grid (B, H, N, V/BV), parallel:
      O = scale * ((q exp(b)) S_n + Aqk V'): two dense dots per chunk.
 
-Backward. The forward keeps b and kernel 1's outputs (W, U, Aqk, M, Lk:
-O(T (K + V + 3 C)), about the size of the inputs) as residuals, so kernel 1
+Backward. The forward keeps kernel 1's outputs (W, U, Aqk, M, Lk, b, q exp(b),
+k exp(b_C - b), exp(b_C): O(T (4 K + V + 3 C)), about twice the size of the
+inputs) as residuals, so kernel 1
 never runs twice; kernel 2 (the state pass) is re-run rather than keeping
 its O(T K V / C) fp32 states (in one jit XLA merges it with the forward's).
 With dO the output cotangent and dH_n the gradient w.r.t. the state LEAVING
@@ -111,7 +120,8 @@ Kernels:
   4. `_dvintra_kernel`, grid (B, H, N, V/BV), parallel: scale Aqk^T dO [C, BV]
      (the state-independent part of dV'), one dense dot.
   5. `_dstate_kernel`, grid (B, H, V/BV_PASS): reverse fori_loop over chunks
-     with the full [K, BV] dH (V blocks are independent, K is not: W^T dV'):
+     with the full [K, BV] dH (V blocks are independent, K is not: W^T dV';
+     it reads the stored q exp(b), k exp(b_C - b) and exp(b_C)):
      stores dH_n [B, H, N, K, V], dV' [B, T, H, V] fp32 and dS_0.
   6. `_grad_v_kernel`, grid (B, H, N), parallel, walking all of V in blocks:
      dU' = M^T dV' (stored fp32), dv, dL, dAqk (complete sums over V, stored
@@ -123,11 +133,10 @@ Kernels:
   XLA: the sum of the dbeta parts, the chunk-end term of dL/db from the
   stored states, the within-chunk reverse cumsum (memory bound).
   Launch: warps per kernel from NUM_WARPS (swept on an H200), num_stages 2.
-  Measured on an H200 (B1 T32768 H16 D128 bf16, bounded, profile_kda):
-  intra 5.4, state 2.3, output 0.7 | dv_intra 0.3, dstate 4.5, grad_v 0.7,
-  grad_k 4.9 ms at 4 warps everywhere; per-kernel warps (NUM_WARPS) since:
-  forward 7.0 ms, forward+backward 16.5 ms (num_stages 1; see
-  results/kernels.md).
+  Measured on an H200 (B1 T32768 H16 D128 bf16, bounded, profile_kda, the
+  current defaults): intra 3.7, state 1.5, output 0.5 | dv_intra 0.3,
+  dstate 1.8, grad_v 0.8, grad_k 4.9 ms; forward 4.8 ms, forward+backward
+  12.6 ms (results/kernels.md, session 13).
 The wrapper pads T with q=k=v=0, g=0, beta=0 (inert: L rows/columns vanish,
 V' = 0, dV' = 0, the state is unchanged) and K to a power of two with zero
 channels, only when needed, and slices back. Dots accumulate in fp32; with
@@ -165,8 +174,10 @@ BLOCK_K = 32
 BLOCK_K_UNBOUNDED = 32   # K slice width, unbounded path ([16, 16, bk] pairs)
 # V block width of the two sequential passes (grid B x H x V/BV programs,
 # each walking every chunk). H200, B1 T32768 H16 D128 bf16 bounded: 64 ->
-# state 2.77, dstate 5.58 ms; 32 -> 2.34, 4.54 ms (more programs).
-BLOCK_V_PASS = 32
+# state 2.77, dstate 5.58 ms; 32 -> 2.34, 4.54 ms (more programs); with the
+# decayed q, k precomputed by the intra kernel: 32 -> 1.47, 2.01 ms; 16 ->
+# 1.49, 1.77 ms.
+BLOCK_V_PASS = 16
 # Triton launch parameters per kernel (read when a kernel is traced;
 # experiments/profile_kda.py --warps sweeps them).
 # H200, B1 T32768 H16 D128 bf16 bounded, ms at 1 / 2 / 4 / 8 warps:
@@ -220,9 +231,9 @@ def _rows(t):
 def _decay_tiles(b_ref, cols):
   """Within-chunk decays of one chunk, tile by tile, for the columns `cols`.
 
-  b_ref holds b, the within-chunk inclusive cumsum of g (computed once in
-  XLA, so that every kernel sees the same rounded b and exponent differences
-  such as b_C - b_j are consistent across kernels). Returns b_tiles (4 x
+  b_ref holds b, the within-chunk inclusive cumsum of g, as the intra
+  kernel stored it (so that every kernel sees the same rounded b and
+  exponent differences such as b_C - b_j are consistent across kernels). Returns b_tiles (4 x
   [16, w] fp32), anchors (4 x [1, w]: b at the first row of each tile) and
   b_C [w] (the chunk's last row, taken as a masked sum: exact).
   """
@@ -234,11 +245,25 @@ def _decay_tiles(b_ref, cols):
   return b_tiles, anchors, b_last
 
 
-def _chunk_decay(b_ref, rows):
-  """b [C, w] of the chunk at `rows` and its last row b_C [w] (exact)."""
-  b = b_ref[rows, :].astype(_F32)
-  last = jax.lax.broadcasted_iota(jnp.int32, b.shape, 0) == CHUNK - 1
-  return b, jnp.sum(jnp.where(last, b, 0.0), axis=0)
+def _cumsum_tiles(g_ref, cols):
+  """b, the within-chunk inclusive cumsum of g, for the columns `cols`.
+
+  The same triple as _decay_tiles, computed from g: each 16-row tile is
+  cumsummed on its own and offset by the previous tiles' total (the last row
+  of the previous tile, taken as a masked sum: exact). The intra kernel
+  stores these b tiles for the backward, so every kernel sees the same
+  rounded b; re-running this on the same slice gives the same bits.
+  """
+  carry, b_tiles, anchors = None, [], []
+  for t in range(N_TILES):
+    b_t = jnp.cumsum(g_ref[_rows(t), cols].astype(_F32), axis=0)
+    if carry is not None:
+      b_t = b_t + carry[None, :]
+    row = jax.lax.broadcasted_iota(jnp.int32, b_t.shape, 0)
+    b_tiles.append(b_t)
+    anchors.append(jnp.sum(jnp.where(row == 0, b_t, 0.0), axis=0)[None, :])
+    carry = jnp.sum(jnp.where(row == TILE - 1, b_t, 0.0), axis=0)
+  return b_tiles, anchors, carry
 
 
 def _tile_iota():
@@ -357,21 +382,34 @@ def _store_lower_product(out_ref, cols, mt, rhs, mm):
 # ---------------------------------------------------------------------------
 
 
-def _intra_kernel(q_ref, k_ref, b_ref, beta_ref, v_ref, w_ref, u_ref, aqk_ref,
-                  *grad_refs, bk, bv, bounded, mm):
-  # q_ref, k_ref, b_ref, w_ref [C, Kp]; beta_ref [C]; v_ref, u_ref [C, V];
-  # aqk_ref [C, C] (matmul dtype); grad_refs: (m_ref [C, C] matmul dtype,
-  # lk_ref [C, C] fp32) when the backward needs them, else ().
+def _intra_kernel(q_ref, k_ref, g_ref, beta_ref, v_ref, w_ref, u_ref,
+                  aqk_ref, qg_ref, kg_ref, ec_ref, *grad_refs, bk, bv,
+                  bounded, mm):
+  # q_ref, k_ref, g_ref, w_ref, qg_ref, kg_ref [C, Kp]; beta_ref [C];
+  # v_ref, u_ref [C, V]; aqk_ref [C, C] (matmul dtype); ec_ref [Kp];
+  # grad_refs: (b_ref [C, Kp] fp32, m_ref [C, C] matmul dtype, lk_ref
+  # [C, C] fp32) when the backward needs them, else ().
   row, col = _tile_iota()
   causal, strict = row >= col, row > col
   beta_t = _beta_tiles(beta_ref)
   k_slices = _k_slices(k_ref.shape[-1], bk)
-  # One walk over K for Lk and Aqk: the decayed key tiles are shared.
+  # One walk over K for Lk and Aqk (the decayed key tiles are shared); it
+  # also stores b and the decayed operands of the state passes and the
+  # output, q exp(b) and k exp(b_C - b) in the matmul dtype (the dtype those
+  # dots cast them to) and exp(b_C), so that the sequential passes load two
+  # narrow operands per chunk and compute no exps.
   lk, aqk = {}, {}
   for cols in k_slices:
-    b, c, _ = _decay_tiles(b_ref, cols)
+    b, c, b_last = _cumsum_tiles(g_ref, cols)
     k_t = [k_ref[_rows(t), cols].astype(_F32) for t in range(N_TILES)]
     q_t = [q_ref[_rows(t), cols].astype(_F32) for t in range(N_TILES)]
+    for t in range(N_TILES):
+      if grad_refs:
+        grad_refs[0][_rows(t), cols] = b[t]
+      qg_ref[_rows(t), cols] = (q_t[t] * jnp.exp(b[t])).astype(qg_ref.dtype)
+      kg_ref[_rows(t), cols] = (k_t[t] * jnp.exp(b_last[None, :] - b[t])
+                                ).astype(kg_ref.dtype)
+    ec_ref[cols] = jnp.exp(b_last)
     lk_s, aqk_s = _slice_scores([k_t, q_t], k_t, b, c, causal, bounded, mm)
     _accumulate(lk, lk_s)
     _accumulate(aqk, aqk_s)
@@ -383,13 +421,13 @@ def _intra_kernel(q_ref, k_ref, b_ref, beta_ref, v_ref, w_ref, u_ref, aqk_ref,
   mt = _inverse_tiles({(i, j): beta_t[i] * l for (i, j), l in lk.items()},
                       row, col)
   if grad_refs:
-    m_ref, lk_ref = grad_refs
+    _, m_ref, lk_ref = grad_refs
     _store_tiles(m_ref, mt)
     _store_tiles(lk_ref, lk)
 
-  # W = M (beta k exp(b)), slice by slice of K.
+  # W = M (beta k exp(b)), slice by slice of K (b recomputed: same bits).
   for cols in k_slices:
-    b, _, _ = _decay_tiles(b_ref, cols)
+    b, _, _ = _cumsum_tiles(g_ref, cols)
     _store_lower_product(w_ref, cols, mt, [
         beta_t[j] * k_ref[_rows(j), cols].astype(_F32) * jnp.exp(b[j])
         for j in range(N_TILES)], mm)
@@ -407,19 +445,19 @@ def _intra_kernel(q_ref, k_ref, b_ref, beta_ref, v_ref, w_ref, u_ref, aqk_ref,
 # ---------------------------------------------------------------------------
 
 
-def _state_kernel(w_ref, u_ref, k_ref, b_ref, s0_ref, states_ref, vnew_ref,
+def _state_kernel(w_ref, u_ref, kg_ref, ec_ref, s0_ref, states_ref, vnew_ref,
                   sfin_ref, *, n_chunks, mm):
-  # w_ref, k_ref, b_ref [Tp, Kp]; u_ref, vnew_ref [Tp, BV]; s0_ref, sfin_ref
-  # [Kp, BV]; states_ref [N, Kp, BV].
+  # w_ref, kg_ref (k exp(b_C - b)) [Tp, Kp]; ec_ref (exp(b_C)) [N, Kp];
+  # u_ref, vnew_ref [Tp, BV]; s0_ref, sfin_ref [Kp, BV]; states_ref
+  # [N, Kp, BV].
   def body(n, s):
     states_ref[n] = s
     rows = pl.ds(n * CHUNK, CHUNK)
     # V' = U - W S needs all of K: the state block is [K, BV].
     v_new = u_ref[rows, :].astype(_F32) - _dot(w_ref[rows, :], s, mm=mm)
     vnew_ref[rows, :] = v_new.astype(vnew_ref.dtype)
-    b, b_last = _chunk_decay(b_ref, rows)            # [C, K], [K]
-    k_dec = k_ref[rows, :].astype(_F32) * jnp.exp(b_last[None, :] - b)
-    return jnp.exp(b_last)[:, None] * s + _dot(k_dec, v_new, _TN, mm)
+    return (ec_ref[n][:, None] * s
+            + _dot(kg_ref[rows, :], v_new, _TN, mm))
 
   s = jax.lax.fori_loop(0, n_chunks, body, s0_ref[...].astype(_F32))
   sfin_ref[...] = s
@@ -430,13 +468,11 @@ def _state_kernel(w_ref, u_ref, k_ref, b_ref, s0_ref, states_ref, vnew_ref,
 # ---------------------------------------------------------------------------
 
 
-def _output_kernel(q_ref, b_ref, aqk_ref, vnew_ref, s_ref, o_ref, *, scale,
-                   mm):
-  # q_ref, b_ref [C, Kp]; aqk_ref [C, C]; vnew_ref, o_ref [C, BV];
-  # s_ref [Kp, BV]. O = scale ((q exp(b)) S + Aqk V'), exp(b) <= 1.
-  q_dec = q_ref[...].astype(_F32) * jnp.exp(b_ref[...].astype(_F32))
-  out = _dot(q_dec, s_ref[...], mm=mm) + _dot(aqk_ref[...], vnew_ref[...],
-                                               mm=mm)
+def _output_kernel(qg_ref, aqk_ref, vnew_ref, s_ref, o_ref, *, scale, mm):
+  # qg_ref (q exp(b), exp(b) <= 1) [C, Kp]; aqk_ref [C, C]; vnew_ref, o_ref
+  # [C, BV]; s_ref [Kp, BV]. O = scale ((q exp(b)) S + Aqk V').
+  out = _dot(qg_ref[...], s_ref[...], mm=mm) + _dot(aqk_ref[...],
+                                                    vnew_ref[...], mm=mm)
   o_ref[...] = (scale * out).astype(o_ref.dtype)
 
 
@@ -450,22 +486,20 @@ def _dvintra_kernel(aqk_ref, do_ref, out_ref, *, scale, mm):
   out_ref[...] = scale * _dot(aqk_ref[...], do_ref[...], _TN, mm)
 
 
-def _dstate_kernel(q_ref, k_ref, b_ref, w_ref, do_ref, dvi_ref, dsfin_ref,
+def _dstate_kernel(qg_ref, kg_ref, ec_ref, w_ref, do_ref, dvi_ref, dsfin_ref,
                    dstates_ref, dvnew_ref, ds0_ref, *, n_chunks, scale, mm):
-  # q_ref, k_ref, b_ref, w_ref [Tp, Kp]; do_ref, dvi_ref, dvnew_ref [Tp, BV];
-  # dsfin_ref, ds0_ref [Kp, BV]; dstates_ref [N, Kp, BV] (grad wrt the state
-  # LEAVING each chunk).
+  # qg_ref (q exp(b)), kg_ref (k exp(b_C - b)), w_ref [Tp, Kp]; ec_ref
+  # (exp(b_C)) [N, Kp]; do_ref, dvi_ref, dvnew_ref [Tp, BV]; dsfin_ref,
+  # ds0_ref [Kp, BV]; dstates_ref [N, Kp, BV] (grad wrt the state LEAVING
+  # each chunk).
   def body(r, dh):
     n = n_chunks - 1 - r
     dstates_ref[n] = dh
     rows = pl.ds(n * CHUNK, CHUNK)
-    b, b_last = _chunk_decay(b_ref, rows)            # [C, K], [K]
-    k_dec = k_ref[rows, :].astype(_F32) * jnp.exp(b_last[None, :] - b)
-    dv_new = dvi_ref[rows, :] + _dot(k_dec, dh, mm=mm)     # dV' [C, BV]
+    dv_new = dvi_ref[rows, :] + _dot(kg_ref[rows, :], dh, mm=mm)  # dV'
     dvnew_ref[rows, :] = dv_new
-    q_dec = q_ref[rows, :].astype(_F32) * jnp.exp(b)
-    return (jnp.exp(b_last)[:, None] * dh
-            + scale * _dot(q_dec, do_ref[rows, :], _TN, mm)
+    return (ec_ref[n][:, None] * dh
+            + scale * _dot(qg_ref[rows, :], do_ref[rows, :], _TN, mm)
             - _dot(w_ref[rows, :], dv_new, _TN, mm))
 
   ds0_ref[...] = jax.lax.fori_loop(0, n_chunks, body,
@@ -649,6 +683,12 @@ def _pass_specs(lay):
   return seq_k, seq_v, state, states
 
 
+def _pass_ec_spec(lay):
+  """All of exp(b_C) [B, H, N, Kp] of (b, h); grid (B, H, V block j)."""
+  return pl.BlockSpec((None, None, lay["n_chunks"], lay["kp"]),
+                      lambda b, h, j: (b, h, 0, 0))
+
+
 def _layout(q, v, block_k):
   bsz, t, h, dk = q.shape
   dv = v.shape[-1]
@@ -680,29 +720,33 @@ def _prepare_inputs(q, k, v, beta, s0, lay):
 
 
 def _prepare(q, k, v, g, beta, s0, lay):
-  """_prepare_inputs plus b [B, Tp, H, Kp] fp32, the within-chunk inclusive
-  cumsum of g, computed once for all kernels."""
+  """_prepare_inputs plus g padded to [B, Tp, H, Kp] fp32 (zeros: inert)."""
   qp, kp_, vp, betap, s0p = _prepare_inputs(q, k, v, beta, s0, lay)
-  gp = _pad(g.astype(_F32), lay["tp"], lay["kp"])
-  bsz, h, tp, kp = lay["bsz"], lay["h"], lay["tp"], lay["kp"]
-  bp = jnp.cumsum(gp.reshape(bsz, lay["n_chunks"], CHUNK, h, kp),
-                  axis=2).reshape(bsz, tp, h, kp)
-  return qp, kp_, vp, bp, betap, s0p
+  return qp, kp_, vp, _pad(g.astype(_F32), lay["tp"], lay["kp"]), betap, s0p
 
 
-def _wu_call(qp, kp_, bp, betap, vp, lay, bounded, interpret,
-             for_backward=False):
-  """Kernel 1: W [B, Tp, H, Kp], U [B, Tp, H, V] and Aqk [B, H, Tp, C] in
-  the matmul dtype; with for_backward also M (matmul dtype) and Lk (fp32),
-  [B, H, Tp, C]. Lower triangular [C, C] matrices per chunk."""
+def _intra_call(qp, kp_, gp, betap, vp, lay, bounded, interpret,
+                for_backward=False):
+  """Kernel 1. Returns [W, U, Aqk, qg, kg, ec] (+ [b, M, Lk] with
+  for_backward): W, qg = q exp(b), kg = k exp(b_C - b) [B, Tp, H, Kp] and U
+  [B, Tp, H, V] in the matmul dtype; b [B, Tp, H, Kp] fp32 (the within-chunk
+  cumsum of g); ec = exp(b_C) [B, H, N, Kp] fp32; Aqk, M [B, H, Tp, C] in the
+  matmul dtype and Lk [B, H, Tp, C] fp32 (lower triangular [C, C] per
+  chunk)."""
   kp, dv, mm = lay["kp"], lay["dv"], lay["mm"]
   square = _shape_of(lay, "bsz", "h", "tp", "chunk", dtype=mm)
-  out_specs = [_chunk_spec(kp), _chunk_spec(dv), _square_spec()]
-  out_shape = [_shape_of(lay, "bsz", "tp", "h", "kp", dtype=mm),
-               _shape_of(lay, "bsz", "tp", "h", "dv", dtype=mm), square]
+  seq_k_mm = _shape_of(lay, "bsz", "tp", "h", "kp", dtype=mm)
+  ec_spec = pl.BlockSpec((None, None, None, kp),
+                         lambda b, h, n: (b, h, n, 0))
+  out_specs = [_chunk_spec(kp), _chunk_spec(dv), _square_spec(),
+               _chunk_spec(kp), _chunk_spec(kp), ec_spec]
+  out_shape = [seq_k_mm, _shape_of(lay, "bsz", "tp", "h", "dv", dtype=mm),
+               square, seq_k_mm, seq_k_mm,
+               _shape_of(lay, "bsz", "h", "n_chunks", "kp")]
   if for_backward:
-    out_specs += [_square_spec(), _square_spec()]
-    out_shape += [square, _shape_of(lay, "bsz", "h", "tp", "chunk")]
+    out_specs += [_chunk_spec(kp), _square_spec(), _square_spec()]
+    out_shape += [_shape_of(lay, "bsz", "tp", "h", "kp"), square,
+                  _shape_of(lay, "bsz", "h", "tp", "chunk")]
   return pl.pallas_call(
       functools.partial(_intra_kernel, bk=lay["bk"], bv=lay["bv"],
                         bounded=bounded, mm=mm),
@@ -714,16 +758,16 @@ def _wu_call(qp, kp_, bp, betap, vp, lay, bounded, interpret,
       compiler_params=_params("intra"),
       interpret=interpret,
       name="kda_chunk_intra",
-  )(qp, kp_, bp, betap, vp)
+  )(qp, kp_, gp, betap, vp)
 
 
-def _state_call(w, u, kp_, bp, s0p, lay, interpret):
+def _state_call(w, u, kg, ec, s0p, lay, interpret):
   """Kernel 2: states entering each chunk, V', the final state."""
   seq_k, seq_v, state, states = _pass_specs(lay)
   return pl.pallas_call(
       functools.partial(_state_kernel, n_chunks=lay["n_chunks"], mm=lay["mm"]),
       grid=(lay["bsz"], lay["h"], lay["nv_pass"]),
-      in_specs=[seq_k, seq_v, seq_k, seq_k, state],
+      in_specs=[seq_k, seq_v, seq_k, _pass_ec_spec(lay), state],
       out_specs=[states, seq_v, state],
       out_shape=[
           _shape_of(lay, "bsz", "h", "n_chunks", "kp", "dv"),
@@ -733,23 +777,23 @@ def _state_call(w, u, kp_, bp, s0p, lay, interpret):
       compiler_params=_params("state"),
       interpret=interpret,
       name="kda_state_pass",
-  )(w, u, kp_, bp, s0p)
+  )(w, u, kg, ec, s0p)
 
 
-def _output_call(qp, bp, aqk, v_new, states, lay, scale, dtype, interpret):
+def _output_call(qg, aqk, v_new, states, lay, scale, dtype, interpret):
   """Kernel 3: O [B, Tp, H, V] in dtype."""
   kp, bv = lay["kp"], lay["bv"]
   return pl.pallas_call(
       functools.partial(_output_kernel, scale=scale, mm=lay["mm"]),
       grid=(lay["bsz"], lay["h"], lay["n_chunks"], lay["nv"]),
-      in_specs=[_chunk_spec(kp), _chunk_spec(kp), _square_spec(),
-                _chunk_spec(bv, True), _state_spec(kp, bv)],
+      in_specs=[_chunk_spec(kp), _square_spec(), _chunk_spec(bv, True),
+                _state_spec(kp, bv)],
       out_specs=_chunk_spec(bv, True),
       out_shape=_shape_of(lay, "bsz", "tp", "h", "dv", dtype=dtype),
       compiler_params=_params("output"),
       interpret=interpret,
       name="kda_chunk_output",
-  )(qp, bp, aqk, v_new, states)
+  )(qg, aqk, v_new, states)
 
 
 def _dvintra_call(aqk, dop, lay, scale, interpret):
@@ -767,14 +811,14 @@ def _dvintra_call(aqk, dop, lay, scale, interpret):
   )(aqk, dop)
 
 
-def _dstate_call(qp, kp_, bp, w, dop, dv_intra, dsfp, lay, scale, interpret):
+def _dstate_call(qg, kg, ec, w, dop, dv_intra, dsfp, lay, scale, interpret):
   """Reverse pass over chunks: dH_n [B, H, N, Kp, V], dV', dS_0."""
   seq_k, seq_v, state, states = _pass_specs(lay)
   return pl.pallas_call(
       functools.partial(_dstate_kernel, n_chunks=lay["n_chunks"], scale=scale,
                         mm=lay["mm"]),
       grid=(lay["bsz"], lay["h"], lay["nv_pass"]),
-      in_specs=[seq_k, seq_k, seq_k, seq_k, seq_v, seq_v, state],
+      in_specs=[seq_k, seq_k, _pass_ec_spec(lay), seq_k, seq_v, seq_v, state],
       out_specs=[states, seq_v, state],
       out_shape=[
           _shape_of(lay, "bsz", "h", "n_chunks", "kp", "dv"),
@@ -784,7 +828,7 @@ def _dstate_call(qp, kp_, bp, w, dop, dv_intra, dsfp, lay, scale, interpret):
       compiler_params=_params("dstate"),
       interpret=interpret,
       name="kda_dstate_pass",
-  )(qp, kp_, bp, w, dop, dv_intra, dsfp)
+  )(qg, kg, ec, w, dop, dv_intra, dsfp)
 
 
 def _grad_v_call(m, lk, betap, vp, dop, v_new, dv_new, lay, scale, dtype,
@@ -851,27 +895,27 @@ def _kda_fwd_impl(q, k, v, g, beta, s0, *, scale, block_k, bounded,
   The kernels read the caller's [B, T, H, D] layout (no transposes); beta is
   moved to [B, H, Tp] so that a chunk of it is one contiguous row. With
   for_backward, also returns the residuals: b and the intra kernel's W, U,
-  Aqk, M, Lk (O(T (K + V + 3 C)), about the size of the inputs).
+  Aqk, M, Lk, qg, kg, ec (O(T (3 K + V + 3 C)), about the size of the
+  inputs).
   """
   lay = _layout(q, v, block_k)
-  qp, kp_, vp, bp, betap, s0p = _prepare(q, k, v, g, beta, s0, lay)
-  intra = _wu_call(qp, kp_, bp, betap, vp, lay, bounded, interpret,
-                   for_backward)
-  states, v_new, s_final = _state_call(intra[0], intra[1], kp_, bp, s0p, lay,
-                                       interpret)
-  o = _output_call(qp, bp, intra[2], v_new, states, lay, scale, v.dtype,
-                   interpret)
+  qp, kp_, vp, gp, betap, s0p = _prepare(q, k, v, g, beta, s0, lay)
+  intra = _intra_call(qp, kp_, gp, betap, vp, lay, bounded, interpret,
+                      for_backward)
+  w, u, aqk, qg, kg, ec = intra[:6]
+  states, v_new, s_final = _state_call(w, u, kg, ec, s0p, lay, interpret)
+  o = _output_call(qg, aqk, v_new, states, lay, scale, v.dtype, interpret)
   out = o[:, :lay["t"]], s_final[:, :, :lay["dk"]]
   if not for_backward:
     return out
-  return out, (bp, intra)
+  return out, intra
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _kda_bwd_impl(q, k, v, beta, s0, bp, intra, do, ds_final, *,
+def _kda_bwd_impl(q, k, v, beta, s0, intra, do, ds_final, *,
                   scale, block_k, bounded, interpret):
   """(dq, dk, dv, dg, dbeta, ds0) given do [B,T,H,V], ds_final [B,H,K,V] and
-  the forward's residuals (b and the intra kernel's outputs)."""
+  the forward's residuals (the intra kernel's outputs)."""
   lay = _layout(q, v, block_k)
   bsz, h, t, tp, dk, kp, dv, n_chunks = (
       lay[n] for n in ("bsz", "h", "t", "tp", "dk", "kp", "dv", "n_chunks"))
@@ -879,13 +923,13 @@ def _kda_bwd_impl(q, k, v, beta, s0, bp, intra, do, ds_final, *,
   dop = _pad(do.astype(v.dtype), tp, dv)
   dsfp = jnp.pad(ds_final.astype(_F32),
                  ((0, 0), (0, 0), (0, kp - dk), (0, 0)))
-  w, u, aqk, m, lk = intra
+  w, u, aqk, qg, kg, ec, bp, m, lk = intra
   # The state pass is re-run, not kept (O(T K V / C) fp32): when the forward
   # and backward share one jit, XLA merges this call with the forward's
   # identical one (measured: keeping the states changed nothing, 18.19 ms).
-  states, v_new, s_final = _state_call(w, u, kp_, bp, s0p, lay, interpret)
+  states, v_new, s_final = _state_call(w, u, kg, ec, s0p, lay, interpret)
   dv_intra = _dvintra_call(aqk, dop, lay, scale, interpret)
-  dstates, dv_new, ds0 = _dstate_call(qp, kp_, bp, w, dop, dv_intra, dsfp, lay,
+  dstates, dv_new, ds0 = _dstate_call(qg, kg, ec, w, dop, dv_intra, dsfp, lay,
                                       scale, interpret)
   dvp, du, da, dlk, dbeta_v = _grad_v_call(m, lk, betap, vp, dop, v_new,
                                            dv_new, lay, scale, v.dtype,
@@ -914,18 +958,19 @@ def _kda_pallas_vjp(q, k, v, g, beta, s0, scale, block_k, bounded, interpret):
 
 
 def _vjp_fwd(q, k, v, g, beta, s0, scale, block_k, bounded, interpret):
-  # The forward keeps what its intra kernel built (b, W, U, Aqk, M, Lk): the
-  # backward does not re-run that kernel (H200, B1 T32768 H16 D128: 5.4 ms).
-  out, (bp, intra) = _kda_fwd_impl(
+  # The forward keeps what its intra kernel built (b, W, U, Aqk, M, Lk, qg,
+  # kg, ec): the backward does not re-run that kernel (H200, B1 T32768 H16
+  # D128: 3.6 ms).
+  out, intra = _kda_fwd_impl(
       q, k, v, g, beta, s0, scale=scale, block_k=block_k, bounded=bounded,
       interpret=interpret, for_backward=True)
-  return out, (q, k, v, beta, s0, bp, intra)
+  return out, (q, k, v, beta, s0, intra)
 
 
 def _vjp_bwd(scale, block_k, bounded, interpret, res, cts):
-  q, k, v, beta, s0, bp, intra = res
+  q, k, v, beta, s0, intra = res
   do, ds_final = cts
-  return _kda_bwd_impl(q, k, v, beta, s0, bp, intra, do, ds_final,
+  return _kda_bwd_impl(q, k, v, beta, s0, intra, do, ds_final,
                        scale=scale, block_k=block_k, bounded=bounded,
                        interpret=interpret)
 

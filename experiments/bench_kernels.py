@@ -282,6 +282,10 @@ def main(argv):
   del argv
   global H, D
   H, D = _HEADS.value, _DIM.value
+  bad = sorted(set(_OURS.value) - {"bounded", "unbounded"})
+  if bad:
+    raise app.UsageError(f"--ours: unknown path(s) {bad}; allowed values: "
+                         "bounded, unbounded")
   os.makedirs(_OUT.value, exist_ok=True)
   if _PEERS_ONLY.value:
     jax.config.update("jax_platforms", "cpu")  # inputs only; GPU for torch

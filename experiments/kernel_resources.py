@@ -159,6 +159,13 @@ def op_fn(op, bounded):
 
 def main(argv):
   del argv
+  for flag, values, allowed in (("ops", _OPS.value, ("kda", "gla")),
+                                ("paths", _PATHS.value,
+                                 ("bounded", "unbounded"))):
+    bad = sorted(set(values) - set(allowed))
+    if bad:
+      raise app.UsageError(f"--{flag}: unknown value(s) {bad}; allowed "
+                           f"values: {', '.join(allowed)}")
   os.makedirs(_OUT.value, exist_ok=True)
   lines = [f"arch sm_{_ARCH.value}, K = V = {_D.value}, bf16, jax "
            f"{jax.__version__}", "",

@@ -233,9 +233,10 @@ def _decay_tiles(b_ref, cols):
 
   b_ref holds b, the within-chunk inclusive cumsum of g, as the intra
   kernel stored it (so that every kernel sees the same rounded b and
-  exponent differences such as b_C - b_j are consistent across kernels). Returns b_tiles (4 x
-  [16, w] fp32), anchors (4 x [1, w]: b at the first row of each tile) and
-  b_C [w] (the chunk's last row, taken as a masked sum: exact).
+  exponent differences such as b_C - b_j are consistent across kernels).
+  Returns b_tiles (4 x [16, w] fp32), anchors (4 x [1, w]: b at the first
+  row of each tile) and b_C [w] (the chunk's last row, taken as a masked
+  sum: exact).
   """
   b_tiles = [b_ref[_rows(t), cols].astype(_F32) for t in range(N_TILES)]
   anchors = [b_ref[pl.ds(t * TILE, 1), cols].astype(_F32)
@@ -894,9 +895,9 @@ def _kda_fwd_impl(q, k, v, g, beta, s0, *, scale, block_k, bounded,
 
   The kernels read the caller's [B, T, H, D] layout (no transposes); beta is
   moved to [B, H, Tp] so that a chunk of it is one contiguous row. With
-  for_backward, also returns the residuals: b and the intra kernel's W, U,
-  Aqk, M, Lk, qg, kg, ec (O(T (3 K + V + 3 C)), about the size of the
-  inputs).
+  for_backward, also returns the residuals: the intra kernel's outputs W, U,
+  Aqk, qg, kg, ec, b, M, Lk (O(T (4 K + V + 3 C)), about twice the size of
+  the inputs).
   """
   lay = _layout(q, v, block_k)
   qp, kp_, vp, gp, betap, s0p = _prepare(q, k, v, g, beta, s0, lay)

@@ -8,6 +8,8 @@ package is importable, compiles the TTIR for sm_90 and reports per kernel:
   REG    registers per thread (255 = the cap: the kernel spills)
   STACK  stack-frame bytes per thread (local memory: spilled registers)
   SMEM   shared memory bytes
+  COMPILE_S  seconds `triton.compile` took on this machine (TTIR to cubin,
+         ptxas included): a guide to the kernel's share of jit time
   and instruction counts in the SASS: HMMA / HGMMA (tensor-core matrix
   ops: mma.sync / wgmma), FFMA, LDL / STL (local-memory loads / stores:
   spills), BAR.SYNC (block barriers: layout conversions), MUFU.EX2 (exps).
@@ -33,6 +35,8 @@ import glob
 import os
 import re
 import subprocess
+import tempfile
+import time
 
 from absl import app, flags
 import jax
@@ -107,9 +111,13 @@ def compile_report(ttir, num_warps, num_stages, arch):
   """Compiles one TTIR file with the `triton` package; resource numbers."""
   import triton  # pylint: disable=g-import-not-at-top
   from triton.backends.compiler import GPUTarget  # pylint: disable=g-import-not-at-top
+  # A fresh cache directory: a cached cubin would hide the compile time.
+  os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton_cache_")
+  start = time.perf_counter()
   kernel = triton.compile(ttir, target=GPUTarget("cuda", arch, 32),
                           options=dict(num_warps=num_warps,
                                        num_stages=num_stages))
+  compile_s = time.perf_counter() - start
   stem = ttir[:-len(".ttir")]
   with open(stem + ".ptx", "w") as f:
     f.write(kernel.asm["ptx"])
@@ -126,6 +134,9 @@ def compile_report(ttir, num_warps, num_stages, arch):
     f.write(sass)
   row = {k: int(v) for k, v in re.findall(r"(REG|STACK):(\d+)", usage)}
   row["SMEM"] = int(kernel.metadata.shared)
+  row["COMPILE_S"] = round(compile_s, 1)
+  with open(ttir) as f:
+    row["TTIR_LINES"] = sum(1 for _ in f)
   ops = collections.Counter(re.findall(r"\b([A-Z][A-Z0-9]*(?:\.SYNC|\.EX2)?)\b",
                                        sass))
   row.update({k: ops.get(k, 0) for k in SASS_COUNTS})
@@ -170,8 +181,8 @@ def main(argv):
   lines = [f"arch sm_{_ARCH.value}, K = V = {_D.value}, bf16, jax "
            f"{jax.__version__}", "",
            "| op | path | kernel | warps | stages | REG | STACK | SMEM | "
-           + " | ".join(SASS_COUNTS) + " |",
-           "|---" * (8 + len(SASS_COUNTS)) + "|"]
+           + " | ".join(SASS_COUNTS) + " | TTIR lines | compile s |",
+           "|---" * (10 + len(SASS_COUNTS)) + "|"]
   for op in _OPS.value:
     for path in _PATHS.value:
       out_dir = os.path.join(_OUT.value, f"{op}_{path}")
@@ -196,7 +207,8 @@ def main(argv):
           continue
         lines.append(f"| {op} | {path} | {name} | {warps} | {stages} | "
                      f"{r.get('REG')} | {r.get('STACK')} | {r['SMEM']} | "
-                     + " | ".join(str(r[k]) for k in SASS_COUNTS) + " |")
+                     + " | ".join(str(r[k]) for k in SASS_COUNTS)
+                     + f" | {r['TTIR_LINES']} | {r['COMPILE_S']} |")
         print(lines[-1], flush=True)
   text = "\n".join(lines)
   with open(os.path.join(_OUT.value, "resources.md"), "w") as f:

@@ -106,7 +106,8 @@ def profile(x, bounded, block_k, iters, interpret=False):
       lambda: f(qg, kg, ec, w, dop, dvi, dsfp), iters)
   dstates, dv_new, _ = f(qg, kg, ec, w, dop, dvi, dsfp)
   f = jax.jit(functools.partial(kp._grad_v_call, lay=lay, scale=scale,  # pylint: disable=protected-access
-                                dtype=v.dtype, interpret=interpret))
+                                dtype=v.dtype, bounded=bounded,
+                                interpret=interpret))
   c["b3 grad_v (dv, dU', dA, dL)"] = _median_ms(
       lambda: f(m, lk, betap, vp, dop, v_new, dv_new), iters)
   _, du, da, dlk, _ = f(m, lk, betap, vp, dop, v_new, dv_new)

@@ -124,8 +124,11 @@ Kernels:
      it reads the stored q exp(b), k exp(b_C - b) and exp(b_C)):
      stores dH_n [B, H, N, K, V], dV' [B, T, H, V] fp32 and dS_0.
   6. `_grad_v_kernel`, grid (B, H, N), parallel, walking all of V in blocks:
-     dU' = M^T dV' (stored fp32), dv, dL, dAqk (complete sums over V, stored
-     [B, H, T, C] fp32 with dLk = beta dL) and the V-side terms of dbeta.
+     dU' = M^T dV', dv, dL, dAqk (complete sums over V, stored [B, H, T, C]
+     with dLk = beta dL) and the V-side terms of dbeta. dU' is stored in the
+     matmul dtype, dAqk and dLk too on the bounded path (fp32 unbounded):
+     grad_k reads them once per K slice and only as dot operands (the
+     dtype the dots cast them to), so the bits do not change.
   7. `_grad_k_kernel`, grid (B, H, N, K/bk), parallel: one K slice of dq, dk,
      dL/db [C, bk] and that slice's dbeta term, from the stored dAqk, dLk,
      dU', V', S and dH (contractions over V done inside). Each slice is
@@ -524,7 +527,7 @@ def _grad_v_kernel(m_ref, lk_ref, beta_ref, v_ref, do_ref, vn_ref, dvn_ref,
   for cv in range(0, v_ref.shape[-1], bv):
     cols = pl.ds(cv, bv)
     du = _dot(m, dvn_ref[:, cols], _TN, mm)          # dU' = M^T dV'
-    du_ref[:, cols] = du
+    du_ref[:, cols] = du.astype(du_ref.dtype)
     dv_ref[:, cols] = (beta * du).astype(dv_ref.dtype)
     vn = vn_ref[:, cols]
     part_b = jnp.sum(du * v_ref[:, cols].astype(_F32), axis=1)
@@ -537,8 +540,8 @@ def _grad_v_kernel(m_ref, lk_ref, beta_ref, v_ref, do_ref, vn_ref, dvn_ref,
   # dL = -strict(dU' V'^T), dLk = beta dL; dAqk = scale causal(dO V'^T).
   dl = -jnp.where(row > col, dl, 0.0)
   dbeta_ref[...] = dbeta + jnp.sum(dl * lk_ref[...], axis=1)
-  dlk_ref[...] = beta * dl
-  da_ref[...] = scale * jnp.where(row >= col, da, 0.0)
+  dlk_ref[...] = (beta * dl).astype(dlk_ref.dtype)
+  da_ref[...] = (scale * jnp.where(row >= col, da, 0.0)).astype(da_ref.dtype)
 
 
 def _grad_k_kernel(q_ref, k_ref, b_ref, beta_ref, do_ref, vn_ref, du_ref,
@@ -546,9 +549,9 @@ def _grad_k_kernel(q_ref, k_ref, b_ref, beta_ref, do_ref, vn_ref, du_ref,
                    dbeta_ref, *, scale, bv, bounded, mm):
   # One K slice of one chunk. q_ref, k_ref, b_ref, dq_ref, dk_ref, db_ref
   # [C, w]; beta_ref, dbeta_ref [C] (dbeta: this slice's part); do_ref,
-  # vn_ref (V') [C, V]; du_ref (dU') [C, V] fp32; da_ref (dAqk), dlk_ref
-  # (dLk) [C, C] fp32; s_ref (state entering), dh_ref (grad of the state
-  # leaving) [w, V] fp32.
+  # vn_ref (V') [C, V]; du_ref (dU') [C, V] matmul dtype; da_ref (dAqk),
+  # dlk_ref (dLk) [C, C] (matmul dtype bounded, fp32 unbounded); s_ref
+  # (state entering), dh_ref (grad of the state leaving) [w, V] fp32.
   row, col = _tile_iota()
   causal = row >= col
   beta_t = _beta_tiles(beta_ref)
@@ -833,10 +836,18 @@ def _dstate_call(qg, kg, ec, w, dop, dv_intra, dsfp, lay, scale, interpret):
 
 
 def _grad_v_call(m, lk, betap, vp, dop, v_new, dv_new, lay, scale, dtype,
-                 interpret):
-  """Per chunk, all of V: dv, dU' [B, Tp, H, V]; dAqk, dLk [B, H, Tp, C];
-  the V-side part of dbeta [B, H, Tp]."""
-  dv = lay["dv"]
+                 bounded, interpret):
+  """Per chunk, all of V: dv [B, Tp, H, V] in dtype; dU' [B, Tp, H, V] and,
+  on the bounded path, dAqk, dLk [B, H, Tp, C] in the matmul dtype (fp32 on
+  the unbounded path); the V-side part of dbeta [B, H, Tp] fp32.
+
+  dU', dAqk and dLk are read only by grad_k, once per K slice. Its bounded
+  path uses them only as dot operands, which _dot casts to the matmul dtype,
+  so storing them in that dtype changes no bit and halves their traffic
+  with bf16 inputs; the unbounded path's position-pair products need dAqk
+  and dLk in fp32."""
+  dv, mm = lay["dv"], lay["mm"]
+  square_dtype = mm if bounded else _F32
   return pl.pallas_call(
       functools.partial(_grad_v_kernel, scale=scale, bv=lay["bv"],
                         mm=lay["mm"]),
@@ -847,9 +858,9 @@ def _grad_v_call(m, lk, betap, vp, dop, v_new, dv_new, lay, scale, dtype,
                  _square_spec(), _beta_spec()],
       out_shape=[
           _shape_of(lay, "bsz", "tp", "h", "dv", dtype=dtype),
-          _shape_of(lay, "bsz", "tp", "h", "dv"),
-          _shape_of(lay, "bsz", "h", "tp", "chunk"),
-          _shape_of(lay, "bsz", "h", "tp", "chunk"),
+          _shape_of(lay, "bsz", "tp", "h", "dv", dtype=mm),
+          _shape_of(lay, "bsz", "h", "tp", "chunk", dtype=square_dtype),
+          _shape_of(lay, "bsz", "h", "tp", "chunk", dtype=square_dtype),
           _shape_of(lay, "bsz", "h", "tp"),
       ],
       compiler_params=_params("grad_v"),
@@ -934,7 +945,7 @@ def _kda_bwd_impl(q, k, v, beta, s0, intra, do, ds_final, *,
                                       scale, interpret)
   dvp, du, da, dlk, dbeta_v = _grad_v_call(m, lk, betap, vp, dop, v_new,
                                            dv_new, lay, scale, v.dtype,
-                                           interpret)
+                                           bounded, interpret)
   dq, dk_, d_b, dbeta_k = _grad_k_call(qp, kp_, bp, betap, dop, v_new, du, da,
                                        dlk, states, dstates, lay, scale,
                                        bounded, interpret)

@@ -122,7 +122,8 @@ Kernels:
   5. `_dstate_kernel`, grid (B, H, V/BV_PASS): reverse fori_loop over chunks
      with the full [K, BV] dH (V blocks are independent, K is not: W^T dV';
      it reads the stored q exp(b), k exp(b_C - b) and exp(b_C)):
-     stores dH_n [B, H, N, K, V], dV' [B, T, H, V] fp32 and dS_0.
+     stores dH_n [B, H, N, K, V] fp32, dV' [B, T, H, V] (matmul dtype:
+     grad_v uses it only as a dot operand) and dS_0.
   6. `_grad_v_kernel`, grid (B, H, N), parallel, walking all of V in blocks:
      dU' = M^T dV', dv, dL, dAqk (complete sums over V, stored [B, H, T, C]
      with dLk = beta dL) and the V-side terms of dbeta. dU' is stored in the
@@ -501,7 +502,7 @@ def _dstate_kernel(qg_ref, kg_ref, ec_ref, w_ref, do_ref, dvi_ref, dsfin_ref,
     dstates_ref[n] = dh
     rows = pl.ds(n * CHUNK, CHUNK)
     dv_new = dvi_ref[rows, :] + _dot(kg_ref[rows, :], dh, mm=mm)  # dV'
-    dvnew_ref[rows, :] = dv_new
+    dvnew_ref[rows, :] = dv_new.astype(dvnew_ref.dtype)
     return (ec_ref[n][:, None] * dh
             + scale * _dot(qg_ref[rows, :], do_ref[rows, :], _TN, mm)
             - _dot(w_ref[rows, :], dv_new, _TN, mm))
@@ -816,7 +817,8 @@ def _dvintra_call(aqk, dop, lay, scale, interpret):
 
 
 def _dstate_call(qg, kg, ec, w, dop, dv_intra, dsfp, lay, scale, interpret):
-  """Reverse pass over chunks: dH_n [B, H, N, Kp, V], dV', dS_0."""
+  """Reverse pass over chunks: dH_n [B, H, N, Kp, V] fp32, dV' [B, Tp, H, V]
+  in the matmul dtype (only a dot operand later: same bits), dS_0."""
   seq_k, seq_v, state, states = _pass_specs(lay)
   return pl.pallas_call(
       functools.partial(_dstate_kernel, n_chunks=lay["n_chunks"], scale=scale,
@@ -826,7 +828,7 @@ def _dstate_call(qg, kg, ec, w, dop, dv_intra, dsfp, lay, scale, interpret):
       out_specs=[states, seq_v, state],
       out_shape=[
           _shape_of(lay, "bsz", "h", "n_chunks", "kp", "dv"),
-          _shape_of(lay, "bsz", "tp", "h", "dv"),
+          _shape_of(lay, "bsz", "tp", "h", "dv", dtype=lay["mm"]),
           _shape_of(lay, "bsz", "h", "kp", "dv"),
       ],
       compiler_params=_params("dstate"),

@@ -111,13 +111,22 @@ def compile_report(ttir, num_warps, num_stages, arch):
   """Compiles one TTIR file with the `triton` package; resource numbers."""
   import triton  # pylint: disable=g-import-not-at-top
   from triton.backends.compiler import GPUTarget  # pylint: disable=g-import-not-at-top
-  # A fresh cache directory: a cached cubin would hide the compile time.
-  os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton_cache_")
-  start = time.perf_counter()
-  kernel = triton.compile(ttir, target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=num_warps,
-                                       num_stages=num_stages))
-  compile_s = time.perf_counter() - start
+  # A fresh, throw-away cache directory: a cached cubin would hide the
+  # compile time. The caller's TRITON_CACHE_DIR is restored afterwards.
+  previous = os.environ.get("TRITON_CACHE_DIR")
+  with tempfile.TemporaryDirectory(prefix="triton_cache_") as cache:
+    os.environ["TRITON_CACHE_DIR"] = cache
+    try:
+      start = time.perf_counter()
+      kernel = triton.compile(ttir, target=GPUTarget("cuda", arch, 32),
+                              options=dict(num_warps=num_warps,
+                                           num_stages=num_stages))
+      compile_s = time.perf_counter() - start
+    finally:
+      if previous is None:
+        os.environ.pop("TRITON_CACHE_DIR", None)
+      else:
+        os.environ["TRITON_CACHE_DIR"] = previous
   stem = ttir[:-len(".ttir")]
   with open(stem + ".ptx", "w") as f:
     f.write(kernel.asm["ptx"])

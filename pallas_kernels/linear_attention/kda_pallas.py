@@ -76,7 +76,9 @@ multiple of 64; beta is moved to [B, H, T]):
      [C, C] matrices costs O(T C) memory, like fla's Akk / Aqk, and turns the
      later uses into single dense dots; nothing is recomputed per V block.
      (Splitting W, U into a kernel of their own, dense M dots, measured
-     slower on the H200: 7.5 + 0.5 ms against 5.4 ms for this fused kernel.)
+     slower on the H200: 7.5 + 0.5 ms against 5.4 ms for this fused kernel;
+     so did splitting off M, W and U, with the scores computed row tile by
+     row tile: 3.1 + 1.2 ms against 3.7 ms, results/kernels.md session 14.)
   2. `_state_kernel`, grid (B, H, V/BV_PASS): a sequential fori_loop over
      chunks storing the state ENTERING each chunk [B, H, N, K, V] fp32, the
      new values V' = U - W S [B, T, H, V] and the final state; per chunk two
@@ -851,8 +853,7 @@ def _grad_v_call(m, lk, betap, vp, dop, v_new, dv_new, lay, scale, dtype,
   dv, mm = lay["dv"], lay["mm"]
   square_dtype = mm if bounded else _F32
   return pl.pallas_call(
-      functools.partial(_grad_v_kernel, scale=scale, bv=lay["bv"],
-                        mm=lay["mm"]),
+      functools.partial(_grad_v_kernel, scale=scale, bv=lay["bv"], mm=mm),
       grid=(lay["bsz"], lay["h"], lay["n_chunks"]),
       in_specs=[_square_spec(), _square_spec(), _beta_spec()]
       + [_chunk_spec(dv)] * 4,

@@ -9,6 +9,8 @@ per configuration, so that a slow kernel is named rather than guessed.
   PYTHONPATH=. python -m experiments.profile_kda --b=1 --t=32768 \
       --configs=bounded:128,bounded:32,unbounded:32 --warps=0,1,2,8 \
       --stages=0,1,3 --pass_bv=64,32
+  PYTHONPATH=. python -m experiments.profile_kda --configs=bounded:32 \
+      --set_warps=state:4,grad_k:8
 
 --warps=0 keeps each kernel's own warp count (kda_pallas.NUM_WARPS); N forces
 N warps on every kernel, so one sweep gives each kernel's best count.
@@ -40,6 +42,9 @@ _PASS_BV = flags.DEFINE_list("pass_bv", ["0"],
                               "0: default; N: V block width of the "
                               "sequential state passes (BLOCK_V_PASS).")
 _WARPS = flags.DEFINE_list("warps", ["0"], "0: kernel defaults; N: force N.")
+_SET_WARPS = flags.DEFINE_list(
+    "set_warps", [], "kernel:N pairs applied on top of each --warps value "
+    "(e.g. state:4,grad_k:8), for one kernel's count without a full sweep.")
 _STAGES = flags.DEFINE_list("stages", ["0"], "0: default; N: force N.")
 _ITERS = flags.DEFINE_integer("iters", 10, "Timed iterations (median).")
 _INTERPRET = flags.DEFINE_bool("interpret", False,
@@ -142,6 +147,14 @@ def main(argv):
   x = inputs(_B.value, _T.value, _H.value, _D.value)
   orig_warps, orig_stages = dict(kp.NUM_WARPS), kp.NUM_STAGES
   orig_bv = kp.BLOCK_V_PASS
+  overrides = {}
+  for pair in _SET_WARPS.value:
+    name, _, n = pair.partition(":")
+    if name not in orig_warps or not n.isdigit():
+      raise app.UsageError(
+          f"--set_warps: bad entry {pair!r}; expected kernel:N with kernel "
+          f"one of {', '.join(orig_warps)}")
+    overrides[name] = int(n)
   results = []
   sweep = [(int(w), int(st), int(p)) for w in _WARPS.value
            for st in _STAGES.value for p in _PASS_BV.value]
@@ -149,11 +162,13 @@ def main(argv):
     kp.BLOCK_V_PASS = pass_bv or orig_bv
     kp.NUM_WARPS = ({n: warps for n in orig_warps} if warps
                     else dict(orig_warps))
+    kp.NUM_WARPS.update(overrides)
     kp.NUM_STAGES = stages or orig_stages
     jax.clear_caches()  # the jitted kernels read these when traced
     for cfg in _CONFIGS.value:
       path, block_k = cfg.split(":")
-      name = (f"{path} block_k={block_k} warps={warps or 'default'} "
+      name = (f"{path} block_k={block_k} warps={warps or 'default'}"
+              f"{' ' + ','.join(_SET_WARPS.value) if overrides else ''} "
               f"stages={kp.NUM_STAGES} pass_bv={kp.BLOCK_V_PASS}")
       try:
         c = profile(x, path == "bounded", int(block_k), _ITERS.value,

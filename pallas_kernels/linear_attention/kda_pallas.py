@@ -68,8 +68,9 @@ more: on an H200 moving them into the intra kernel took the state pass from
 Forward kernels (they read the caller's [B, T, H, D] layout, T padded to a
 multiple of 64; beta is moved to [B, H, T]):
   1. `_intra_kernel`, grid (B, H, N), parallel: b, q exp(b), k exp(b_C - b),
-     exp(b_C), Lk and Aqk tiles in one walk over K slices of `bk` columns
-     (the decayed key tiles are shared), M;
+     exp(b_C); row tile by row tile, that row of Lk and Aqk summed over K
+     slices of `bk` columns in a fori_loop (the decayed key tiles are
+     shared), then that row of M;
      stores Aqk [C, C] (and, for the backward, M [C, C] in the matmul dtype
      and Lk [C, C] fp32) as dense lower-triangular matrices [B, H, T, C],
      then W [C, K] (slice by slice) and U [C, V] (matmul dtype). Storing the
@@ -79,6 +80,10 @@ multiple of 64; beta is moved to [B, H, T]):
      slower on the H200: 7.5 + 0.5 ms against 5.4 ms for this fused kernel;
      so did splitting off M, W and U, with the scores computed row tile by
      row tile: 3.1 + 1.2 ms against 3.7 ms, results/kernels.md session 14.)
+     The K slices are a fori_loop, not unrolled: unrolled (slices x tile
+     pairs) the kernel was ~11.4k lines of TTIR that took ptxas 111 s
+     (bounded) and 324 s (unbounded) to compile and ran in 3.7 ms; the
+     loop is ~6.2k lines, 16 s / 31 s, and runs in 2.3 ms (session 15).
   2. `_state_kernel`, grid (B, H, V/BV_PASS): a sequential fori_loop over
      chunks storing the state ENTERING each chunk [B, H, N, K, V] fp32, the
      new values V' = U - W S [B, T, H, V] and the final state; per chunk two
@@ -139,10 +144,10 @@ Kernels:
   XLA: the sum of the dbeta parts, the chunk-end term of dL/db from the
   stored states, the within-chunk reverse cumsum (memory bound).
   Launch: warps per kernel from NUM_WARPS (swept on an H200), num_stages 2.
-  Measured on an H200 (B1 T32768 H16 D128 bf16, bounded, profile_kda, the
-  current defaults): intra 3.7, state 1.5, output 0.5 | dv_intra 0.3,
-  dstate 1.8, grad_v 0.8, grad_k 4.9 ms; forward 4.8 ms, forward+backward
-  12.6 ms (results/kernels.md, session 13).
+  Measured on an H200 (B1 T32768 H16 D128 bf16, bounded, profile_kda,
+  intra at 2 warps, session 15): intra 3.1 (2.3 alone at 4 warps), state
+  1.6, output 0.6 | dv_intra 0.3, dstate 1.7, grad_v 0.8, grad_k 4.4 ms;
+  forward 4.1 ms, forward+backward 11.0 ms (results/kernels.md).
 The wrapper pads T with q=k=v=0, g=0, beta=0 (inert: L rows/columns vanish,
 V' = 0, dV' = 0, the state is unchanged) and K to a power of two with zero
 channels, only when needed, and slices back. Dots accumulate in fp32; with
@@ -191,7 +196,10 @@ BLOCK_V_PASS = 16
 #   output 1.60 / 0.77 / 0.62 / 0.83    dv_intra 0.40 / 0.30 / 0.31 / 0.56
 #   dstate 25.6 / 9.50 / 4.72 / 3.23    grad_v 1.60 / 0.99 / 0.79 / 1.04
 #   grad_k 12.5 / 7.37 / 5.00 / 8.69    (results/kernels.md)
-NUM_WARPS = dict(intra=2, state=8, output=4, dv_intra=2, dstate=8, grad_v=4,
+# The intra kernel with its K slices in a fori_loop (session 15), alone:
+#   bounded 2.92 / 2.35 / 4.31 ms at 2 / 4 / 8 warps; unbounded 5.96 / 6.47
+#   at 2 / 4.
+NUM_WARPS = dict(intra=4, state=8, output=4, dv_intra=2, dstate=8, grad_v=4,
                  grad_k=4)
 NUM_STAGES = 2
 
@@ -252,17 +260,19 @@ def _decay_tiles(b_ref, cols):
   return b_tiles, anchors, b_last
 
 
-def _cumsum_tiles(g_ref, cols):
+def _cumsum_tiles(g_ref, cols, n_tiles=N_TILES):
   """b, the within-chunk inclusive cumsum of g, for the columns `cols`.
 
-  The same triple as _decay_tiles, computed from g: each 16-row tile is
-  cumsummed on its own and offset by the previous tiles' total (the last row
-  of the previous tile, taken as a masked sum: exact). The intra kernel
-  stores these b tiles for the backward, so every kernel sees the same
-  rounded b; re-running this on the same slice gives the same bits.
+  The same triple as _decay_tiles, computed from g for the first `n_tiles`
+  tiles (the last element is then b at the last row of tile n_tiles - 1,
+  b_C when n_tiles = N_TILES): each 16-row tile is cumsummed on its own and
+  offset by the previous tiles' total (the last row of the previous tile,
+  taken as a masked sum: exact). The intra kernel stores these b tiles for
+  the backward, so every kernel sees the same rounded b; re-running this on
+  the same slice gives the same bits, for any n_tiles.
   """
   carry, b_tiles, anchors = None, [], []
-  for t in range(N_TILES):
+  for t in range(n_tiles):
     b_t = jnp.cumsum(g_ref[_rows(t), cols].astype(_F32), axis=0)
     if carry is not None:
       b_t = b_t + carry[None, :]
@@ -289,38 +299,31 @@ def _pair_decay(b_t, mask):
   return jnp.exp(jnp.where(mask[:, :, None], diff, -jnp.inf))
 
 
-def _slice_scores(xs, y_t, b, c, mask, bounded, mm):
-  """One K slice's part of P_ij = sum_d x_id y_jd exp(b_id - b_jd), j <= i,
-  for every x in `xs` against the same keys y.
+def _row_slice_scores(i, xs, y_t, b, c, mask, bounded, mm):
+  """One K slice's part of row tile i of P_ij = sum_d x_id y_jd
+  exp(b_id - b_jd), j <= i, for every x in `xs` against the same keys y.
 
-  xs: list of 4 x [16, w] fp32 tile lists; y_t, b: 4 x [16, w] fp32 tiles;
-  c: 4 x [1, w] anchors. Returns one {(i, j): [16, 16]} per x. Dense tiles
-  are anchored at c_i (query factor <= 1; key factor <= 1 off the diagonal);
-  the decayed key tile is built once per (i, j) and shared by every x. The
-  diagonal tile of the unbounded path is computed on position pairs with
-  `mask` in the exponent. The caller masks the diagonal tiles (after summing
-  the slices).
+  xs: list of [16, w] fp32 query tiles (tile i); y_t, b: tiles 0..i
+  [16, w] fp32; c: anchors [1, w] of tiles 0..i. Returns one list of i + 1
+  [16, 16] tiles (j = 0..i) per x. Dense tiles are anchored at c_i (query
+  factor <= 1; key factor <= 1 off the diagonal); the decayed key tile is
+  built once per j and shared by every x. The diagonal tile of the unbounded
+  path is computed on position pairs with `mask` in the exponent. The caller
+  masks the diagonal tile (after summing the slices).
   """
-  outs = [{} for _ in xs]
-  for i in range(N_TILES):
-    x_scale = jnp.exp(b[i] - c[i])                            # <= 1
-    x_dec = [x_t[i] * x_scale for x_t in xs]
-    for j in range(i + 1):
-      if j == i and not bounded:
-        yp = y_t[i][None, :, :] * _pair_decay(b[i], mask)     # [16, 16, w]
-        for out, x_t in zip(outs, xs):
-          out[i, i] = jnp.sum(x_t[i][:, None, :] * yp, axis=-1)
-      else:
-        y_dec = y_t[j] * jnp.exp(c[i] - b[j])
-        for out, xd in zip(outs, x_dec):
-          out[i, j] = _dot(xd, y_dec, _NT, mm)
+  x_scale = jnp.exp(b[i] - c[i])                              # <= 1
+  x_dec = [x * x_scale for x in xs]
+  outs = [[] for _ in xs]
+  for j in range(i + 1):
+    if j == i and not bounded:
+      yp = y_t[i][None, :, :] * _pair_decay(b[i], mask)       # [16, 16, w]
+      for out, x in zip(outs, xs):
+        out.append(jnp.sum(x[:, None, :] * yp, axis=-1))
+    else:
+      y_dec = y_t[j] * jnp.exp(c[i] - b[j])
+      for out, xd in zip(outs, x_dec):
+        out.append(_dot(xd, y_dec, _NT, mm))
   return outs
-
-
-def _accumulate(acc, part):
-  for ij, p in part.items():
-    acc[ij] = p if ij not in acc else acc[ij] + p
-  return acc
 
 
 def _inv_unit_lower_tile(n, row, col):
@@ -340,16 +343,17 @@ def _inv_unit_lower_tile(n, row, col):
   return x
 
 
-def _inverse_tiles(lt, row, col):
-  """M = (I + L)^-1 tile by tile (fp32) for L given as {(i, j): [16, 16]}."""
-  mt = {}
-  for i in range(N_TILES):
-    mt[i, i] = _inv_unit_lower_tile(lt[i, i], row, col)
-    for j in range(i):
-      acc = _dot(lt[i, j], mt[j, j])
-      for m in range(j + 1, i):
-        acc = acc + _dot(lt[i, m], mt[m, j])
-      mt[i, j] = -_dot(mt[i, i], acc)
+def _inverse_row(i, lt_row, mt, row, col):
+  """Row tile i of M = (I + L)^-1 (fp32), from row tile i of L (lt_row, the
+  i + 1 tiles L_i0 .. L_ii) and the rows above it (mt {(m, j): [16, 16]}):
+  M_ii = (I + L_ii)^-1, M_ij = -M_ii sum_{m=j}^{i-1} L_im M_mj (block
+  forward substitution). Adds the row to mt."""
+  mt[i, i] = _inv_unit_lower_tile(lt_row[i], row, col)
+  for j in range(i):
+    acc = _dot(lt_row[j], mt[j, j])
+    for m in range(j + 1, i):
+      acc = acc + _dot(lt_row[m], mt[m, j])
+    mt[i, j] = -_dot(mt[i, i], acc)
   return mt
 
 
@@ -359,19 +363,19 @@ def _beta_tiles(beta_ref):
                                    (TILE, 1), (0,)) for t in range(N_TILES)]
 
 
-def _k_slices(d, bk):
-  return [pl.ds(kk * bk, bk) for kk in range(d // bk)]
+def _k_slice(kk, bk):
+  """Columns of K slice kk (a traced loop index) of width bk."""
+  return pl.ds(pl.multiple_of(kk * bk, bk), bk)
 
 
-def _store_tiles(ref, tiles):
-  """Writes {(i, j): [16, 16]} tiles (j <= i) into a [C, C] block; the tiles
-  above the diagonal are written as zeros, so the block is a dense lower
+def _store_row(ref, i, tiles):
+  """Writes row tile i of a lower-triangular [C, C] block: tiles j <= i from
+  the list `tiles`, zeros above the diagonal, so the block is a dense lower
   triangular matrix that later kernels use in single [C, C] dots."""
   zero = jnp.zeros((TILE, TILE), ref.dtype)
-  for i in range(N_TILES):
-    for j in range(N_TILES):
-      t = tiles[i, j].astype(ref.dtype) if j <= i else zero
-      ref[_rows(i), pl.ds(j * TILE, TILE)] = t
+  for j in range(N_TILES):
+    t = tiles[j].astype(ref.dtype) if j <= i else zero
+    ref[_rows(i), pl.ds(j * TILE, TILE)] = t
 
 
 def _store_lower_product(out_ref, cols, mt, rhs, mm):
@@ -396,48 +400,64 @@ def _intra_kernel(q_ref, k_ref, g_ref, beta_ref, v_ref, w_ref, u_ref,
   # v_ref, u_ref [C, V]; aqk_ref [C, C] (matmul dtype); ec_ref [Kp];
   # grad_refs: (b_ref [C, Kp] fp32, m_ref [C, C] matmul dtype, lk_ref
   # [C, C] fp32) when the backward needs them, else ().
+  #
+  # Row tile by row tile: row i of Lk and Aqk is summed over the K slices in
+  # a fori_loop (not unrolled: unrolling the slices and the 10 tile pairs
+  # gave ~11k lines of TTIR and a 2-6 min ptxas compile), then row i of M
+  # follows by block forward substitution from the rows above. Only one
+  # row's 2 (i + 1) score tiles are live in the loop.
   row, col = _tile_iota()
   causal, strict = row >= col, row > col
   beta_t = _beta_tiles(beta_ref)
-  k_slices = _k_slices(k_ref.shape[-1], bk)
-  # One walk over K for Lk and Aqk (the decayed key tiles are shared); it
-  # also stores b and the decayed operands of the state passes and the
-  # output, q exp(b) and k exp(b_C - b) in the matmul dtype (the dtype those
-  # dots cast them to) and exp(b_C), so that the sequential passes load two
-  # narrow operands per chunk and compute no exps.
-  lk, aqk = {}, {}
-  for cols in k_slices:
-    b, c, b_last = _cumsum_tiles(g_ref, cols)
-    k_t = [k_ref[_rows(t), cols].astype(_F32) for t in range(N_TILES)]
-    q_t = [q_ref[_rows(t), cols].astype(_F32) for t in range(N_TILES)]
-    for t in range(N_TILES):
-      if grad_refs:
-        grad_refs[0][_rows(t), cols] = b[t]
-      qg_ref[_rows(t), cols] = (q_t[t] * jnp.exp(b[t])).astype(qg_ref.dtype)
-      kg_ref[_rows(t), cols] = (k_t[t] * jnp.exp(b_last[None, :] - b[t])
-                                ).astype(kg_ref.dtype)
-    ec_ref[cols] = jnp.exp(b_last)
-    lk_s, aqk_s = _slice_scores([k_t, q_t], k_t, b, c, causal, bounded, mm)
-    _accumulate(lk, lk_s)
-    _accumulate(aqk, aqk_s)
+  n_k = k_ref.shape[-1] // bk
+  b_ref = grad_refs[0] if grad_refs else None
+  mt = {}
   for i in range(N_TILES):
+
+    def row_body(kk, acc, i=i):
+      cols = _k_slice(kk, bk)
+      b, c, b_end = _cumsum_tiles(g_ref, cols, i + 1)
+      k_t = [k_ref[_rows(t), cols].astype(_F32) for t in range(i + 1)]
+      q_i = q_ref[_rows(i), cols].astype(_F32)
+      # The decayed operands of the state passes and the output, stored in
+      # the matmul dtype (the dtype those dots cast them to): q exp(b) here,
+      # k exp(b_C - b) and exp(b_C) on the last row, where b_C is known.
+      if b_ref is not None:
+        b_ref[_rows(i), cols] = b[i]
+      qg_ref[_rows(i), cols] = (q_i * jnp.exp(b[i])).astype(qg_ref.dtype)
+      if i == N_TILES - 1:
+        for t in range(N_TILES):
+          kg_ref[_rows(t), cols] = (
+              k_t[t] * jnp.exp(b_end[None, :] - b[t])).astype(kg_ref.dtype)
+        ec_ref[cols] = jnp.exp(b_end)
+      lk_s, aqk_s = _row_slice_scores(i, [k_t[i], q_i], k_t, b, c, causal,
+                                      bounded, mm)
+      return (tuple(a + p for a, p in zip(acc[0], lk_s)),
+              tuple(a + p for a, p in zip(acc[1], aqk_s)))
+
+    zeros = tuple(jnp.zeros((TILE, TILE), _F32) for _ in range(i + 1))
+    lk, aqk = jax.lax.fori_loop(0, n_k, row_body, (zeros, zeros))
+    lk, aqk = list(lk), list(aqk)
     # where, not a product: masked overflow cannot leak.
-    lk[i, i] = jnp.where(strict, lk[i, i], 0.0)
-    aqk[i, i] = jnp.where(causal, aqk[i, i], 0.0)
-  _store_tiles(aqk_ref, aqk)
-  mt = _inverse_tiles({(i, j): beta_t[i] * l for (i, j), l in lk.items()},
-                      row, col)
-  if grad_refs:
-    _, m_ref, lk_ref = grad_refs
-    _store_tiles(m_ref, mt)
-    _store_tiles(lk_ref, lk)
+    lk[i] = jnp.where(strict, lk[i], 0.0)
+    aqk[i] = jnp.where(causal, aqk[i], 0.0)
+    _store_row(aqk_ref, i, aqk)
+    mt = _inverse_row(i, [beta_t[i] * l for l in lk], mt, row, col)
+    if grad_refs:
+      _, m_ref, lk_ref = grad_refs
+      _store_row(m_ref, i, [mt[i, j] for j in range(i + 1)])
+      _store_row(lk_ref, i, lk)
 
   # W = M (beta k exp(b)), slice by slice of K (b recomputed: same bits).
-  for cols in k_slices:
+  def w_body(kk, carry):
+    cols = _k_slice(kk, bk)
     b, _, _ = _cumsum_tiles(g_ref, cols)
     _store_lower_product(w_ref, cols, mt, [
         beta_t[j] * k_ref[_rows(j), cols].astype(_F32) * jnp.exp(b[j])
         for j in range(N_TILES)], mm)
+    return carry
+
+  jax.lax.fori_loop(0, n_k, w_body, 0)
 
   # U = M (beta v), V in blocks of bv columns (power-of-two loads).
   for cv in range(0, v_ref.shape[-1], bv):

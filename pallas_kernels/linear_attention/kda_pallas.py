@@ -141,8 +141,12 @@ Kernels:
      dL/db [C, bk] and that slice's dbeta term, from the stored dAqk, dLk,
      dU', V', S and dH (contractions over V done inside). Each slice is
      computed once: no partial sums over V blocks.
-  XLA: the sum of the dbeta parts, the chunk-end term of dL/db from the
-  stored states, the within-chunk reverse cumsum (memory bound).
+     It also adds the chunk-end term of dL/db, sum_v dH * S_{n+1}, at the
+     chunk's last row, from S_n, dH and its own "-b" end terms (no S_{n+1}
+     read; before session 15 an XLA pass over the stored states and dH, ~1 GB
+     at B1 T32768 H16 D128).
+  XLA: the sum of the dbeta parts, the within-chunk reverse cumsum (memory
+  bound).
   Launch: warps per kernel from NUM_WARPS (swept on an H200), num_stages 2.
   Measured on an H200 (B1 T32768 H16 D128 bf16, bounded, profile_kda,
   intra at 2 warps, session 15): intra 3.1 (2.3 alone at 4 warps), state
@@ -605,9 +609,22 @@ def _grad_k_kernel(q_ref, k_ref, b_ref, beta_ref, do_ref, vn_ref, du_ref,
   dq, dk_pos = [None] * N_TILES, [None] * N_TILES   # "+b" factors
   dk_neg, db_neg = [None] * N_TILES, [None] * N_TILES   # "-b" factors
   db_pos, dbeta = [None] * N_TILES, [None] * N_TILES
+  d_end = None   # the chunk-end term of dL/db (last row), [w]
   for j in range(N_TILES):   # k exp(b_C - b) on S_{n+1}
     t_end = v_dot(vn_ref, dh_ref, j) * jnp.exp(b_last[None, :] - b[j])
     dk_neg[j], db_neg[j] = t_end, k_t[j] * t_end
+    part = jnp.sum(db_neg[j], axis=0)
+    d_end = part if d_end is None else d_end + part
+  # exp(b_C) scales S_n and k exp(b_C - b) in S_{n+1} = exp(b_C) S_n
+  # + (k exp(b_C - b))^T V', so d/db_C = sum_v dH * S_{n+1}
+  #   = exp(b_C) sum_v dH * S_n + sum_c k_c exp(b_C - b_c) (V' dH^T)_c:
+  # the second sum is the column sum of the "-b" end terms just formed (the
+  # same fp32 products, so that they cancel in the reverse cumsum), and no
+  # S_{n+1} is read.
+  for cv in range(0, dh_ref.shape[-1], bv):
+    cols = pl.ds(cv, bv)
+    d_end = d_end + jnp.exp(b_last) * jnp.sum(
+        dh_ref[:, cols] * s_ref[:, cols], axis=1)
   for i in range(N_TILES):
     eb = jnp.exp(b[i])
     dq_i = scale * v_dot(do_ref, s_ref, i) * eb               # (q exp(b)) S
@@ -651,7 +668,11 @@ def _grad_k_kernel(q_ref, k_ref, b_ref, beta_ref, do_ref, vn_ref, du_ref,
   for i in range(N_TILES):
     dq_ref[_rows(i), :] = dq[i]
     dk_ref[_rows(i), :] = dk_pos[i] + dk_neg[i]
-    db_ref[_rows(i), :] = db_pos[i] - db_neg[i]
+    db_i = db_pos[i] - db_neg[i]
+    if i == N_TILES - 1:
+      last_row = jax.lax.broadcasted_iota(jnp.int32, db_i.shape, 0)
+      db_i = db_i + jnp.where(last_row == TILE - 1, d_end[None, :], 0.0)
+    db_ref[_rows(i), :] = db_i
     dbeta_ref[_rows(i)] = dbeta[i]
 
 
@@ -962,7 +983,7 @@ def _kda_bwd_impl(q, k, v, beta, s0, intra, do, ds_final, *,
   # The state pass is re-run, not kept (O(T K V / C) fp32): when the forward
   # and backward share one jit, XLA merges this call with the forward's
   # identical one (measured: keeping the states changed nothing, 18.19 ms).
-  states, v_new, s_final = _state_call(w, u, kg, ec, s0p, lay, interpret)
+  states, v_new, _ = _state_call(w, u, kg, ec, s0p, lay, interpret)
   dv_intra = _dvintra_call(aqk, dop, lay, scale, interpret)
   dstates, dv_new, ds0 = _dstate_call(qg, kg, ec, w, dop, dv_intra, dsfp, lay,
                                       scale, interpret)
@@ -972,12 +993,7 @@ def _kda_bwd_impl(q, k, v, beta, s0, intra, do, ds_final, *,
   dq, dk_, d_b, dbeta_k = _grad_k_call(qp, kp_, bp, betap, dop, v_new, du, da,
                                        dlk, states, dstates, lay, scale,
                                        bounded, interpret)
-  # Chunk-end term: exp(b_C) on S_n and on k exp(b_C - b) feed S_{n+1}:
-  # sum_v dH_n * S_{n+1} at the chunk's last row.
-  s_next = jnp.concatenate([states[:, :, 1:], s_final[:, :, None]], axis=2)
-  d_end = jnp.sum(dstates * s_next, axis=-1)                  # [B, H, N, Kp]
-  d_b = d_b.reshape(bsz, n_chunks, CHUNK, h, kp)
-  d_b = d_b.at[:, :, CHUNK - 1].add(jnp.transpose(d_end, (0, 2, 1, 3)))
+  d_b = d_b.reshape(bsz, n_chunks, CHUNK, h, kp)  # chunk-end term included
   # Within-chunk reverse cumsum (64 terms: no rounding growth over T).
   dg = jax.lax.cumsum(d_b, axis=2, reverse=True).reshape(bsz, tp, h, kp)
   dbeta = jnp.transpose(dbeta_v + jnp.sum(dbeta_k, axis=0), (0, 2, 1))[:, :t]

@@ -85,7 +85,8 @@ multiple of 64; beta is moved to [B, H, T]):
      (bounded) and 324 s (unbounded) to compile and ran in 3.7 ms; the
      loop is ~6.2k lines, 16 s / 31 s, and runs in 2.3 ms (session 15).
   2. `_state_kernel`, grid (B, H, V/BV_PASS): a sequential fori_loop over
-     chunks storing the state ENTERING each chunk [B, H, N, K, V] fp32, the
+     chunks storing the state ENTERING each chunk [B, H, N, K, V] (matmul
+     dtype; carried in fp32), the
      new values V' = U - W S [B, T, H, V] and the final state; per chunk two
      dots and loads of W, U, k exp(b_C - b) and exp(b_C). Unlike GLA, K is
      not blocked: W S contracts over all of K (V blocks are independent).
@@ -96,7 +97,7 @@ Backward. The forward keeps kernel 1's outputs (W, U, Aqk, M, Lk, b, q exp(b),
 k exp(b_C - b), exp(b_C): O(T (4 K + V + 3 C)), about twice the size of the
 inputs) as residuals, so kernel 1
 never runs twice; kernel 2 (the state pass) is re-run rather than keeping
-its O(T K V / C) fp32 states (in one jit XLA merges it with the forward's).
+its O(T K V / C) states (in one jit XLA merges it with the forward's).
 With dO the output cotangent and dH_n the gradient w.r.t. the state LEAVING
 chunk n, per chunk (S = S_n, dH = dH_n):
     dV'     = scale Aqk^T dO + (k exp(b_C - b)) dH
@@ -129,7 +130,8 @@ Kernels:
   5. `_dstate_kernel`, grid (B, H, V/BV_PASS): reverse fori_loop over chunks
      with the full [K, BV] dH (V blocks are independent, K is not: W^T dV';
      it reads the stored q exp(b), k exp(b_C - b) and exp(b_C)):
-     stores dH_n [B, H, N, K, V] fp32, dV' [B, T, H, V] (matmul dtype:
+     stores dH_n [B, H, N, K, V] (matmul dtype; carried in fp32), dV'
+     [B, T, H, V] (matmul dtype:
      grad_v uses it only as a dot operand) and dS_0.
   6. `_grad_v_kernel`, grid (B, H, N), parallel, walking all of V in blocks:
      dU' = M^T dV', dv, dL, dAqk (complete sums over V, stored [B, H, T, C]
@@ -193,6 +195,12 @@ BLOCK_K_UNBOUNDED = 32   # K slice width, unbounded path ([16, 16, bk] pairs)
 # decayed q, k precomputed by the intra kernel: 32 -> 1.47, 2.01 ms; 16 ->
 # 1.49, 1.77 ms.
 BLOCK_V_PASS = 16
+# The per-chunk states S_n and dH_n are stored in the matmul dtype (bf16 with
+# bf16 inputs; the passes carry them in fp32): the output and grad_k use them
+# as dot operands, cast to that dtype anyway; only grad_k's chunk-end term
+# sum_v dH * S reads them elementwise. H200 B1 T32768 bf16 bounded: fwd+bwd
+# 10.24 -> 9.79 ms; dg error vs float64 1.61e-3 -> 1.62e-3 (T=640, slow
+# decay; session 15).
 # Triton launch parameters per kernel (read when a kernel is traced;
 # experiments/profile_kda.py --warps sweeps them).
 # H200, B1 T32768 H16 D128 bf16 bounded, ms at 1 / 2 / 4 / 8 warps:
@@ -482,7 +490,7 @@ def _state_kernel(w_ref, u_ref, kg_ref, ec_ref, s0_ref, states_ref, vnew_ref,
   # u_ref, vnew_ref [Tp, BV]; s0_ref, sfin_ref [Kp, BV]; states_ref
   # [N, Kp, BV].
   def body(n, s):
-    states_ref[n] = s
+    states_ref[n] = s.astype(states_ref.dtype)
     rows = pl.ds(n * CHUNK, CHUNK)
     # V' = U - W S needs all of K: the state block is [K, BV].
     v_new = u_ref[rows, :].astype(_F32) - _dot(w_ref[rows, :], s, mm=mm)
@@ -525,7 +533,7 @@ def _dstate_kernel(qg_ref, kg_ref, ec_ref, w_ref, do_ref, dvi_ref, dsfin_ref,
   # each chunk).
   def body(r, dh):
     n = n_chunks - 1 - r
-    dstates_ref[n] = dh
+    dstates_ref[n] = dh.astype(dstates_ref.dtype)
     rows = pl.ds(n * CHUNK, CHUNK)
     dv_new = dvi_ref[rows, :] + _dot(kg_ref[rows, :], dh, mm=mm)  # dV'
     dvnew_ref[rows, :] = dv_new.astype(dvnew_ref.dtype)
@@ -578,7 +586,8 @@ def _grad_k_kernel(q_ref, k_ref, b_ref, beta_ref, do_ref, vn_ref, du_ref,
   # [C, w]; beta_ref, dbeta_ref [C] (dbeta: this slice's part); do_ref,
   # vn_ref (V') [C, V]; du_ref (dU') [C, V] matmul dtype; da_ref (dAqk),
   # dlk_ref (dLk) [C, C] (matmul dtype bounded, fp32 unbounded); s_ref
-  # (state entering), dh_ref (grad of the state leaving) [w, V] fp32.
+  # (state entering), dh_ref (grad of the state leaving) [w, V] in the
+  # matmul dtype.
   row, col = _tile_iota()
   causal = row >= col
   beta_t = _beta_tiles(beta_ref)
@@ -624,7 +633,7 @@ def _grad_k_kernel(q_ref, k_ref, b_ref, beta_ref, do_ref, vn_ref, du_ref,
   for cv in range(0, dh_ref.shape[-1], bv):
     cols = pl.ds(cv, bv)
     d_end = d_end + jnp.exp(b_last) * jnp.sum(
-        dh_ref[:, cols] * s_ref[:, cols], axis=1)
+        dh_ref[:, cols].astype(_F32) * s_ref[:, cols].astype(_F32), axis=1)
   for i in range(N_TILES):
     eb = jnp.exp(b[i])
     dq_i = scale * v_dot(do_ref, s_ref, i) * eb               # (q exp(b)) S
@@ -818,7 +827,7 @@ def _state_call(w, u, kg, ec, s0p, lay, interpret):
       in_specs=[seq_k, seq_v, seq_k, _pass_ec_spec(lay), state],
       out_specs=[states, seq_v, state],
       out_shape=[
-          _shape_of(lay, "bsz", "h", "n_chunks", "kp", "dv"),
+          _shape_of(lay, "bsz", "h", "n_chunks", "kp", "dv", dtype=lay["mm"]),
           _shape_of(lay, "bsz", "tp", "h", "dv", dtype=lay["mm"]),
           _shape_of(lay, "bsz", "h", "kp", "dv"),
       ],
@@ -860,8 +869,8 @@ def _dvintra_call(aqk, dop, lay, scale, interpret):
 
 
 def _dstate_call(qg, kg, ec, w, dop, dv_intra, dsfp, lay, scale, interpret):
-  """Reverse pass over chunks: dH_n [B, H, N, Kp, V] fp32, dV' [B, Tp, H, V]
-  in the matmul dtype (only a dot operand later: same bits), dS_0."""
+  """Reverse pass over chunks: dH_n [B, H, N, Kp, V] and dV' [B, Tp, H, V]
+  in the matmul dtype, dS_0 fp32."""
   seq_k, seq_v, state, states = _pass_specs(lay)
   return pl.pallas_call(
       functools.partial(_dstate_kernel, n_chunks=lay["n_chunks"], scale=scale,
@@ -870,7 +879,7 @@ def _dstate_call(qg, kg, ec, w, dop, dv_intra, dsfp, lay, scale, interpret):
       in_specs=[seq_k, seq_k, _pass_ec_spec(lay), seq_k, seq_v, seq_v, state],
       out_specs=[states, seq_v, state],
       out_shape=[
-          _shape_of(lay, "bsz", "h", "n_chunks", "kp", "dv"),
+          _shape_of(lay, "bsz", "h", "n_chunks", "kp", "dv", dtype=lay["mm"]),
           _shape_of(lay, "bsz", "tp", "h", "dv", dtype=lay["mm"]),
           _shape_of(lay, "bsz", "h", "kp", "dv"),
       ],
@@ -980,7 +989,7 @@ def _kda_bwd_impl(q, k, v, beta, s0, intra, do, ds_final, *,
   dsfp = jnp.pad(ds_final.astype(_F32),
                  ((0, 0), (0, 0), (0, kp - dk), (0, 0)))
   w, u, aqk, qg, kg, ec, bp, m, lk = intra
-  # The state pass is re-run, not kept (O(T K V / C) fp32): when the forward
+  # The state pass is re-run, not kept (O(T K V / C)): when the forward
   # and backward share one jit, XLA merges this call with the forward's
   # identical one (measured: keeping the states changed nothing, 18.19 ms).
   states, v_new, _ = _state_call(w, u, kg, ec, s0p, lay, interpret)

@@ -62,6 +62,13 @@ _PEERS_ONLY = flags.DEFINE_bool(
     "peers_only", False, "Time only fla, in a process whose JAX stays on the "
     "CPU (so torch has the whole GPU; run ours with --skip_peers after).")
 
+_FLA = flags.DEFINE_list(
+    "fla", ["chunk_kda_safe_gate", "chunk_kda", "chunk_gla"],
+    "Which fla peers to time (each autotunes for minutes on first use): "
+    "chunk_kda_safe_gate, chunk_kda, chunk_gla.")
+_FLA_NAMES = {"chunk_kda_safe_gate": "fla chunk_kda safe_gate",
+              "chunk_kda": "fla chunk_kda", "chunk_gla": "fla chunk_gla"}
+
 _PEER_ROWS = flags.DEFINE_string(
     "peer_rows", "", "rows.jsonl of an earlier --peers_only run on the same "
     "card: its rows join this table and its ratio column.")
@@ -286,6 +293,10 @@ def main(argv):
   if bad:
     raise app.UsageError(f"--ours: unknown path(s) {bad}; allowed values: "
                          "bounded, unbounded")
+  bad = sorted(set(_FLA.value) - set(_FLA_NAMES))
+  if bad:
+    raise app.UsageError(f"--fla: unknown peer(s) {bad}; allowed values: "
+                         f"{', '.join(_FLA_NAMES)}")
   os.makedirs(_OUT.value, exist_ok=True)
   if _PEERS_ONLY.value:
     jax.config.update("jax_platforms", "cpu")  # inputs only; GPU for torch
@@ -345,7 +356,8 @@ def main(argv):
           xt = peer_inputs(peer, x)
         names = (["fla chunk_gla"] if op == "gla" else
                  ["fla chunk_kda safe_gate", "fla chunk_kda"])
-        for name in names:
+        wanted = {_FLA_NAMES[f] for f in _FLA.value}
+        for name in (n for n in names if n in wanted):
           try:
             record(op, shape, name, time_peer(peer, name, xt, _ITERS.value))
           except Exception as e:  # pylint: disable=broad-except

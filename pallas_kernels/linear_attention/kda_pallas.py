@@ -147,8 +147,10 @@ Kernels:
      chunk's last row, from S_n, dH and its own "-b" end terms (no S_{n+1}
      read; before session 15 an XLA pass over the stored states and dH, ~1 GB
      at B1 T32768 H16 D128).
-  XLA: the sum of the dbeta parts, the within-chunk reverse cumsum (memory
-  bound).
+     Finally dg, the within-chunk reverse cumsum of dL/db (64 terms: no
+     rounding growth over T), tile by tile (fp32 dots with the
+     upper-triangular ones matrix); before session 15 an XLA pass.
+  XLA: the sum of the dbeta parts.
   Launch: warps per kernel from NUM_WARPS (swept on an H200), num_stages 2.
   Measured on an H200 (B1 T32768 H16 D128 bf16, bounded, profile_kda,
   intra at 2 warps, session 15): intra 3.1 (2.3 alone at 4 warps), state
@@ -580,9 +582,9 @@ def _grad_v_kernel(m_ref, lk_ref, beta_ref, v_ref, do_ref, vn_ref, dvn_ref,
 
 
 def _grad_k_kernel(q_ref, k_ref, b_ref, beta_ref, do_ref, vn_ref, du_ref,
-                   da_ref, dlk_ref, s_ref, dh_ref, dq_ref, dk_ref, db_ref,
+                   da_ref, dlk_ref, s_ref, dh_ref, dq_ref, dk_ref, dg_ref,
                    dbeta_ref, *, scale, bv, bounded, mm):
-  # One K slice of one chunk. q_ref, k_ref, b_ref, dq_ref, dk_ref, db_ref
+  # One K slice of one chunk. q_ref, k_ref, b_ref, dq_ref, dk_ref, dg_ref
   # [C, w]; beta_ref, dbeta_ref [C] (dbeta: this slice's part); do_ref,
   # vn_ref (V') [C, V]; du_ref (dU') [C, V] matmul dtype; da_ref (dAqk),
   # dlk_ref (dLk) [C, C] (matmul dtype bounded, fp32 unbounded); s_ref
@@ -674,14 +676,25 @@ def _grad_k_kernel(q_ref, k_ref, b_ref, beta_ref, do_ref, vn_ref, du_ref,
       dk_i = dk_i + acc_k * x_scale
       db_i = db_i + acc_q * q_dec.astype(_F32) + acc_k * k_dec.astype(_F32)
     dq[i], dk_pos[i], db_pos[i] = dq_i, dk_i, db_i
-  for i in range(N_TILES):
+  # dg = the within-chunk reverse cumsum of dL/db, last tile first: inside a
+  # tile as one fp32 dot with the upper-triangular ones (row r sums rows
+  # r..15, each sum on its own, like XLA's windowed cumsum), plus the sum of
+  # the later tiles (row 0 of the previous result, taken as a masked sum:
+  # exact). XLA did this before as a separate pass over [B, T, H, K] fp32.
+  upper = jnp.where(col >= row, 1.0, 0.0).astype(_F32)
+  tile_row = jax.lax.broadcasted_iota(jnp.int32, dq[0].shape, 0)
+  later = None
+  for i in reversed(range(N_TILES)):
     dq_ref[_rows(i), :] = dq[i]
     dk_ref[_rows(i), :] = dk_pos[i] + dk_neg[i]
     db_i = db_pos[i] - db_neg[i]
     if i == N_TILES - 1:
-      last_row = jax.lax.broadcasted_iota(jnp.int32, db_i.shape, 0)
-      db_i = db_i + jnp.where(last_row == TILE - 1, d_end[None, :], 0.0)
-    db_ref[_rows(i), :] = db_i
+      db_i = db_i + jnp.where(tile_row == TILE - 1, d_end[None, :], 0.0)
+    dg_i = _dot(upper, db_i)
+    if later is not None:
+      dg_i = dg_i + later[None, :]
+    later = jnp.sum(jnp.where(tile_row == 0, dg_i, 0.0), axis=0)
+    dg_ref[_rows(i), :] = dg_i
     dbeta_ref[_rows(i)] = dbeta[i]
 
 
@@ -924,7 +937,7 @@ def _grad_v_call(m, lk, betap, vp, dop, v_new, dv_new, lay, scale, dtype,
 
 def _grad_k_call(qp, kp_, bp, betap, dop, v_new, du, da, dlk, states,
                  dstates, lay, scale, bounded, interpret):
-  """Per chunk and K slice: dq, dk, dL/db [B, Tp, H, Kp] and the slice's
+  """Per chunk and K slice: dq, dk, dg [B, Tp, H, Kp] and the slice's
   part of dbeta [K slices, B, H, Tp], all fp32."""
   bk, dv, nk = lay["bk"], lay["dv"], lay["kp"] // lay["bk"]
   k_slice = _chunk_spec(bk, True)
@@ -982,8 +995,7 @@ def _kda_bwd_impl(q, k, v, beta, s0, intra, do, ds_final, *,
   """(dq, dk, dv, dg, dbeta, ds0) given do [B,T,H,V], ds_final [B,H,K,V] and
   the forward's residuals (the intra kernel's outputs)."""
   lay = _layout(q, v, block_k)
-  bsz, h, t, tp, dk, kp, dv, n_chunks = (
-      lay[n] for n in ("bsz", "h", "t", "tp", "dk", "kp", "dv", "n_chunks"))
+  t, tp, dk, kp, dv = (lay[n] for n in ("t", "tp", "dk", "kp", "dv"))
   qp, kp_, vp, betap, s0p = _prepare_inputs(q, k, v, beta, s0, lay)
   dop = _pad(do.astype(v.dtype), tp, dv)
   dsfp = jnp.pad(ds_final.astype(_F32),
@@ -999,12 +1011,9 @@ def _kda_bwd_impl(q, k, v, beta, s0, intra, do, ds_final, *,
   dvp, du, da, dlk, dbeta_v = _grad_v_call(m, lk, betap, vp, dop, v_new,
                                            dv_new, lay, scale, v.dtype,
                                            bounded, interpret)
-  dq, dk_, d_b, dbeta_k = _grad_k_call(qp, kp_, bp, betap, dop, v_new, du, da,
-                                       dlk, states, dstates, lay, scale,
-                                       bounded, interpret)
-  d_b = d_b.reshape(bsz, n_chunks, CHUNK, h, kp)  # chunk-end term included
-  # Within-chunk reverse cumsum (64 terms: no rounding growth over T).
-  dg = jax.lax.cumsum(d_b, axis=2, reverse=True).reshape(bsz, tp, h, kp)
+  dq, dk_, dg, dbeta_k = _grad_k_call(qp, kp_, bp, betap, dop, v_new, du, da,
+                                      dlk, states, dstates, lay, scale,
+                                      bounded, interpret)
   dbeta = jnp.transpose(dbeta_v + jnp.sum(dbeta_k, axis=0), (0, 2, 1))[:, :t]
   dq, dk_, dg = (x[:, :t, :, :dk] for x in (dq, dk_, dg))
   return (dq.astype(q.dtype), dk_.astype(k.dtype), dvp[:, :t],

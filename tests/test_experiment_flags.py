@@ -1,0 +1,45 @@
+"""The GPU experiment scripts refuse bad flags before anything compiles, and
+profile_kda runs end to end in interpret mode on a tiny shape (CPU)."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(*args):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)   # one CPU device is enough
+  return subprocess.run([sys.executable, "-m", *args], cwd=_ROOT, env=env,
+                        capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("args, flag, allowed", [
+    (("experiments.bench_kernels", "--fla=chunk_kda,fast_kda"), "--fla",
+     "chunk_kda_safe_gate, chunk_kda, chunk_gla"),
+    (("experiments.bench_kernels", "--ours=bounded,fast"), "--ours",
+     "bounded, unbounded"),
+    (("experiments.profile_kda", "--set_warps=grad_q:8"), "--set_warps",
+     "intra, state, output, dv_intra, dstate, grad_v, grad_k"),
+    (("experiments.profile_kda", "--set_warps=grad_k:eight"), "--set_warps",
+     "grad_k"),
+])
+def test_bad_flag_names_the_flag_and_the_allowed_values(args, flag, allowed):
+  res = _run(*args)
+  assert res.returncode != 0
+  assert flag in res.stderr and allowed in res.stderr, res.stderr[-2000:]
+
+
+def test_profile_kda_interpret_smoke(tmp_path):
+  res = _run("experiments.profile_kda", "--interpret", "--b=1", "--t=80",
+             "--h=1", "--d=32", "--configs=bounded:32", "--iters=1",
+             "--set_warps=state:4", f"--out={tmp_path}")
+  assert res.returncode == 0, res.stderr[-2000:]
+  [row] = [json.loads(line) for line in open(tmp_path / "rows.jsonl")]
+  assert "state:4" in row["config"]
+  assert len(row["ms"]) == 10   # 7 kernels, the XLA pads and two totals
+  assert all(math.isfinite(ms) and ms > 0 for ms in row["ms"].values())

@@ -86,10 +86,10 @@ multiple of 64; beta is moved to [B, H, T]):
      loop is ~6.2k lines, 16 s / 31 s, and runs in 2.3 ms (session 15).
   2. `_state_kernel`, grid (B, H, V/BV_PASS): a sequential fori_loop over
      chunks storing the state ENTERING each chunk [B, H, N, K, V] (matmul
-     dtype; carried in fp32), the
-     new values V' = U - W S [B, T, H, V] and the final state; per chunk two
-     dots and loads of W, U, k exp(b_C - b) and exp(b_C). Unlike GLA, K is
-     not blocked: W S contracts over all of K (V blocks are independent).
+     dtype; carried in fp32), the new values V' = U - W S [B, T, H, V] and
+     the final state; per chunk two dots and loads of W, U, k exp(b_C - b)
+     and exp(b_C). Unlike GLA, K is not blocked: W S contracts over all of
+     K (V blocks are independent).
   3. `_output_kernel`, grid (B, H, N, V/BV), parallel:
      O = scale * ((q exp(b)) S_n + Aqk V'): two dense dots per chunk.
 
@@ -131,8 +131,8 @@ Kernels:
      with the full [K, BV] dH (V blocks are independent, K is not: W^T dV';
      it reads the stored q exp(b), k exp(b_C - b) and exp(b_C)):
      stores dH_n [B, H, N, K, V] (matmul dtype; carried in fp32), dV'
-     [B, T, H, V] (matmul dtype:
-     grad_v uses it only as a dot operand) and dS_0.
+     [B, T, H, V] (matmul dtype: grad_v uses it only as a dot operand) and
+     dS_0.
   6. `_grad_v_kernel`, grid (B, H, N), parallel, walking all of V in blocks:
      dU' = M^T dV', dv, dL, dAqk (complete sums over V, stored [B, H, T, C]
      with dLk = beta dL) and the V-side terms of dbeta. dU' is stored in the
@@ -153,9 +153,9 @@ Kernels:
   XLA: the sum of the dbeta parts.
   Launch: warps per kernel from NUM_WARPS (swept on an H200), num_stages 2.
   Measured on an H200 (B1 T32768 H16 D128 bf16, bounded, profile_kda,
-  intra at 2 warps, session 15): intra 3.1 (2.3 alone at 4 warps), state
-  1.6, output 0.6 | dv_intra 0.3, dstate 1.7, grad_v 0.8, grad_k 4.4 ms;
-  forward 4.1 ms, forward+backward 11.0 ms (results/kernels.md).
+  e6bb4ca, session 15): intra 2.3, state 1.3, output 0.6 | dv_intra 0.3,
+  dstate 1.8, grad_v 0.9, grad_k 4.2 ms; forward 3.6 ms, forward+backward
+  9.8 ms (results/kernels.md; dg's cumsum moved into grad_k since, untimed).
 The wrapper pads T with q=k=v=0, g=0, beta=0 (inert: L rows/columns vanish,
 V' = 0, dV' = 0, the state is unchanged) and K to a power of two with zero
 channels, only when needed, and slices back. Dots accumulate in fp32; with

@@ -10,8 +10,9 @@ at the anchor shapes (B, T, H, D) = (1, 32768, 16, 128) and (8, 8192, 16, 128)
 and a T sweep (B=1, H=16, D=128) up to 131072, all bf16 (g fp32). For each
 row it prints the achieved bandwidth against the memory floor (the bytes every
 implementation must move: q, k, v, do, o, dq, dk, dv in bf16, g and dg in
-fp32) and the ratios against the peer. At T=131072 it also checks the
-relative error of our bounded output against a float64 recurrence (2 heads).
+fp32) and the ratios against the peer. At T=131072 (--check_t) it also checks
+the relative error of our bounded output and final state, per op, against a
+float64 recurrence (2 heads).
 
   PYTHONPATH=. python -m experiments.bench_kernels --out=/tmp/bench
   PYTHONPATH=. python -m experiments.bench_kernels --ops=gla --shapes=1x32768 \
@@ -226,21 +227,43 @@ def time_peer(peer, name, xt, iters):
 # ---------------------------------------------------------------------------
 
 
-def check_accuracy(t, heads=2):
-  """Relative error of our bounded GLA (bf16) vs a float64 recurrence."""
-  x = make_inputs(1, t, seed=1)
-  o = ops.gla(x["q"], x["k"], x["v"], x["g"], backend="pallas", g_min=G_MIN)[0]
-  o = np.asarray(jax.device_get(o[0, :, :heads]), np.float64)
+def float64_recurrence(op, x, heads):
+  """Outputs [T, heads, V] and final states [heads, K, V] of the per-token
+  recurrence in float64 (numpy), on batch 0 and the first `heads` heads of
+  the inputs x (make_inputs' dict; bf16 values taken exactly)."""
   f64 = lambda n: np.asarray(  # noqa: E731
       jax.device_get(x[n][0, :, :heads].astype(jnp.float32)), np.float64)
-  q, k, v, g = f64("q"), f64("k"), f64("v"), f64("g")
-  s = np.zeros((heads, D, D))
-  want = np.empty((t, heads, D))
-  eg = np.exp(g)
+  q, k, v, eg = f64("q"), f64("k"), f64("v"), np.exp(f64("g"))
+  beta = f64("beta") if op == "kda" else None
+  t, dk, dv = q.shape[0], q.shape[-1], v.shape[-1]
+  s = np.zeros((heads, dk, dv))
+  want = np.empty((t, heads, dv))
   for i in range(t):
-    s = eg[i][:, :, None] * s + k[i][:, :, None] * v[i][:, None, :]
-    want[i] = np.einsum("hk,hkv->hv", q[i], s) * D ** -0.5
-  return float(np.linalg.norm(o - want) / np.linalg.norm(want))
+    s = eg[i][:, :, None] * s
+    if op == "kda":   # delta rule on the decayed state
+      err = v[i] - np.einsum("hk,hkv->hv", k[i], s)
+      s = s + (beta[i][:, None, None] * k[i][:, :, None]) * err[:, None, :]
+    else:
+      s = s + k[i][:, :, None] * v[i][:, None, :]
+    want[i] = np.einsum("hk,hkv->hv", q[i], s) * dk ** -0.5
+  return want, s
+
+
+def check_accuracy(op, t, heads=2, backend="pallas", dim=None):
+  """Relative errors (Frobenius) of our bounded op in bf16 against a float64
+  recurrence: (output, final state), on the first `heads` heads."""
+  x = {n: a[:, :, :heads] for n, a in make_inputs(1, t, seed=1).items()}
+  if dim is not None:   # a smaller K = V (CPU tests)
+    x = {n: a[..., :dim] if a.ndim == 4 else a for n, a in x.items()}
+  args = [x[n] for n in ("q", "k", "v", "g")]
+  if op == "kda":
+    args.append(x["beta"])
+  o, state = getattr(ops, op)(*args, backend=backend, g_min=G_MIN)
+  want_o, want_s = float64_recurrence(op, x, heads)
+  o = np.asarray(jax.device_get(o[0, :, :heads]), np.float64)
+  state = np.asarray(jax.device_get(state[0, :heads]), np.float64)
+  rel = lambda a, b: float(np.linalg.norm(a - b) / np.linalg.norm(b))  # noqa: E731
+  return rel(o, want_o), rel(state, want_s)
 
 
 def check_gradients(op, t=1000, bsz=2, heads=4):
@@ -364,11 +387,13 @@ def main(argv):
             print(f"{name} failed: {type(e).__name__}: {e}"[:2000])
     del x, xt
 
-  acc = None
-  if _CHECK_T.value and "gla" in _OPS.value and not _PEERS_ONLY.value:
-    acc = check_accuracy(_CHECK_T.value)
-    print(f"GLA bounded bf16 vs float64 recurrence at T={_CHECK_T.value}: "
-          f"rel err {acc:.3e}")
+  acc = {}
+  if _CHECK_T.value and not _PEERS_ONLY.value:
+    for op in _OPS.value:
+      acc[op] = check_accuracy(op, _CHECK_T.value)
+      print(f"{op} bounded bf16 vs float64 recurrence at T={_CHECK_T.value}: "
+            f"rel err output {acc[op][0]:.3e}, final state {acc[op][1]:.3e}",
+            flush=True)
 
   tune_rows = []
   if _TUNE_GRID.value:
@@ -407,9 +432,10 @@ def main(argv):
     md.append(f"| {r['op']} | {r['B']} | {r['T']} | {r['impl']} | "
               f"{r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | "
               f"{r['fwd_bwd_gbps']:.0f} | {ratio} |")
-  if acc is not None:
-    md += ["", f"GLA bounded, bf16, T={_CHECK_T.value}: relative error vs a "
-           f"float64 recurrence (2 heads) = {acc:.3e}"]
+  for op, (err_o, err_s) in acc.items():
+    md += ["", f"{op} bounded, bf16, T={_CHECK_T.value}: relative error vs a "
+           f"float64 recurrence (2 heads): output {err_o:.3e}, final state "
+           f"{err_s:.3e}"]
   text = "\n".join(md)
   print(text)
   with open(os.path.join(_OUT.value, "bench.md"), "w") as f:
@@ -417,7 +443,8 @@ def main(argv):
   with open(os.path.join(_OUT.value, "bench.json"), "w") as f:
     json.dump(dict(device=dev.device_kind, jax=jax.__version__, rows=rows,
                    tune=tune_rows, checks=checks, accuracy_t=_CHECK_T.value,
-                   accuracy_rel_err=acc), f, indent=1)
+                   accuracy_rel_err={op: dict(output=e[0], final_state=e[1])
+                                     for op, e in acc.items()}), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import float64_check
 from pallas_kernels.linear_attention import ops
 from pallas_kernels.linear_attention import gla_pallas
 
@@ -227,43 +228,11 @@ def time_peer(peer, name, xt, iters):
 # ---------------------------------------------------------------------------
 
 
-def float64_recurrence(op, x, heads):
-  """Outputs [T, heads, V] and final states [heads, K, V] of the per-token
-  recurrence in float64 (numpy), on batch 0 and the first `heads` heads of
-  the inputs x (make_inputs' dict; bf16 values taken exactly)."""
-  f64 = lambda n: np.asarray(  # noqa: E731
-      jax.device_get(x[n][0, :, :heads].astype(jnp.float32)), np.float64)
-  q, k, v, eg = f64("q"), f64("k"), f64("v"), np.exp(f64("g"))
-  beta = f64("beta") if op == "kda" else None
-  t, dk, dv = q.shape[0], q.shape[-1], v.shape[-1]
-  s = np.zeros((heads, dk, dv))
-  want = np.empty((t, heads, dv))
-  for i in range(t):
-    s = eg[i][:, :, None] * s
-    if op == "kda":   # delta rule on the decayed state
-      err = v[i] - np.einsum("hk,hkv->hv", k[i], s)
-      s = s + (beta[i][:, None, None] * k[i][:, :, None]) * err[:, None, :]
-    else:
-      s = s + k[i][:, :, None] * v[i][:, None, :]
-    want[i] = np.einsum("hk,hkv->hv", q[i], s) * dk ** -0.5
-  return want, s
-
-
-def check_accuracy(op, t, heads=2, backend="pallas", dim=None):
-  """Relative errors (Frobenius) of our bounded op in bf16 against a float64
-  recurrence: (output, final state), on the first `heads` heads."""
-  x = {n: a[:, :, :heads] for n, a in make_inputs(1, t, seed=1).items()}
-  if dim is not None:   # a smaller K = V (CPU tests)
-    x = {n: a[..., :dim] if a.ndim == 4 else a for n, a in x.items()}
-  args = [x[n] for n in ("q", "k", "v", "g")]
-  if op == "kda":
-    args.append(x["beta"])
-  o, state = getattr(ops, op)(*args, backend=backend, g_min=G_MIN)
-  want_o, want_s = float64_recurrence(op, x, heads)
-  o = np.asarray(jax.device_get(o[0, :, :heads]), np.float64)
-  state = np.asarray(jax.device_get(state[0, :heads]), np.float64)
-  rel = lambda a, b: float(np.linalg.norm(a - b) / np.linalg.norm(b))  # noqa: E731
-  return rel(o, want_o), rel(state, want_s)
+def check_accuracy(op, t, heads=2):
+  """(output, final state) relative errors of our bounded op in bf16 against
+  a float64 recurrence, on the first `heads` heads (float64_check)."""
+  return float64_check.relative_errors(op, make_inputs(1, t, seed=1), G_MIN,
+                                       heads=heads)
 
 
 def check_gradients(op, t=1000, bsz=2, heads=4):

@@ -141,13 +141,9 @@ def profile(x, bounded, block_k, iters, interpret=False):
 
 def main(argv):
   del argv
-  os.makedirs(_OUT.value, exist_ok=True)
-  print(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}  "
-        f"B={_B.value} T={_T.value} H={_H.value} D={_D.value} bf16")
-  x = inputs(_B.value, _T.value, _H.value, _D.value)
   orig_warps, orig_stages = dict(kp.NUM_WARPS), kp.NUM_STAGES
   orig_bv = kp.BLOCK_V_PASS
-  overrides = {}
+  overrides = {}   # checked before any input is built
   for pair in _SET_WARPS.value:
     name, _, n = pair.partition(":")
     if name not in orig_warps or not n.isdigit():
@@ -155,6 +151,10 @@ def main(argv):
           f"--set_warps: bad entry {pair!r}; expected kernel:N with kernel "
           f"one of {', '.join(orig_warps)}")
     overrides[name] = int(n)
+  os.makedirs(_OUT.value, exist_ok=True)
+  print(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}  "
+        f"B={_B.value} T={_T.value} H={_H.value} D={_D.value} bf16")
+  x = inputs(_B.value, _T.value, _H.value, _D.value)
   results = []
   sweep = [(int(w), int(st), int(p)) for w in _WARPS.value
            for st in _STAGES.value for p in _PASS_BV.value]

@@ -551,8 +551,9 @@ def _grad_v_kernel(m_ref, lk_ref, beta_ref, v_ref, do_ref, vn_ref, dvn_ref,
                    dv_ref, du_ref, da_ref, dlk_ref, dbeta_ref, *, scale, bv,
                    mm):
   # m_ref [C, C] (M, matmul dtype); lk_ref [C, C] fp32; beta_ref [C];
-  # v_ref, do_ref, vn_ref (V'), dvn_ref (dV'), dv_ref, du_ref [C, V];
-  # da_ref, dlk_ref [C, C] fp32; dbeta_ref [C] fp32 (the V-side part).
+  # v_ref, do_ref, vn_ref (V'), dvn_ref (dV'), dv_ref [C, V]; du_ref (dU')
+  # [C, V] matmul dtype; da_ref, dlk_ref [C, C] (matmul dtype bounded, fp32
+  # unbounded); dbeta_ref [C] fp32 (the V-side part).
   # All of V is walked here in bv-column blocks, so dAqk and dL (sums over
   # V) are complete and the K-side kernel runs once per K slice.
   c = CHUNK

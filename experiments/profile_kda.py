@@ -88,8 +88,10 @@ def profile(x, bounded, block_k, iters, interpret=False):
   dop = kp._pad(do, lay["tp"], lay["dv"])  # pylint: disable=protected-access
   dsfp = jnp.zeros_like(s0p)
   c = {}
+  g_min = -5.0 if bounded else None   # the op's clamp, as kda_pallas runs it
   f = jax.jit(functools.partial(kp._intra_call, lay=lay, bounded=bounded,  # pylint: disable=protected-access
-                                interpret=interpret, for_backward=True))
+                                interpret=interpret, for_backward=True,
+                                g_min=g_min))
   c["prepare (XLA pads)"] = _median_ms(
       lambda: prep(q, k, v, g, beta, s0), iters)
   c["1 intra (b, Aqk, Lk, M, W, U)"] = _median_ms(
@@ -117,11 +119,11 @@ def profile(x, bounded, block_k, iters, interpret=False):
       lambda: f(m, lk, betap, vp, dop, v_new, dv_new), iters)
   _, du, da, dlk, _ = f(m, lk, betap, vp, dop, v_new, dv_new)
   f = jax.jit(functools.partial(kp._grad_k_call, lay=lay, scale=scale,  # pylint: disable=protected-access
-                                bounded=bounded, interpret=interpret))
+                                bounded=bounded, interpret=interpret,
+                                g_min=g_min))
   c["b4 grad_k (dq, dk, dg)"] = _median_ms(lambda: f(
-      qp, kp_, bp, betap, dop, v_new, du, da, dlk, states, dstates), iters)
-
-  g_min = -5.0 if bounded else None
+      qp, kp_, bp, betap, dop, v_new, du, da, dlk, states, dstates, gp=gp),
+                                           iters)
 
   run = lambda *a: kp.kda_pallas(  # noqa: E731
       *a, scale=None, initial_state=None, chunk_size=64, g_min=g_min,

@@ -101,7 +101,9 @@ def profile(x, bounded, block_k, iters, interpret=False):
   c["2 state pass"] = _median_ms(lambda: f(w, u, kg, ec, s0p), iters)
   states, v_new, _ = f(w, u, kg, ec, s0p)
   f = jax.jit(functools.partial(kp._output_call, lay=lay, scale=scale,  # pylint: disable=protected-access
-                                dtype=v.dtype, interpret=interpret))
+                                dtype=v.dtype, interpret=interpret,
+                                num_warps=kp.NUM_WARPS["output"],
+                                name="kda_chunk_output"))
   c["3 output"] = _median_ms(lambda: f(qg, aqk, v_new, states), iters)
   f = jax.jit(functools.partial(kp._dvintra_call, lay=lay, scale=scale,  # pylint: disable=protected-access
                                 interpret=interpret))

@@ -174,21 +174,15 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-try:  # Triton compiler params (jax 0.10 - 0.12); absent -> default params.
-  from jax.experimental.pallas import triton as plgpu_triton
-except ImportError:  # pragma: no cover
-  plgpu_triton = None
-
 from pallas_kernels.linear_attention import ops
-from pallas_kernels.linear_attention.gla_pallas import (
-    CHUNK, G_MIN_LOWEST, TILE, GMinError, check_dims, check_g_min)
+from pallas_kernels.linear_attention.chunk_common import (
+    CHUNK, G_MIN_LOWEST, N_TILES, TILE, _F32, _NN, _NT, _TN, GMinError,
+    _block_v, _chunk_spec, _compiler_params, _cumsum_tiles, _decay_tiles,
+    _dot, _k_slice, _output_call, _pad, _pair_decay, _rows,
+    _row_slice_scores, _shape_of, _square_spec, _store_row,
+    _tile_iota, check_dims, check_g_min, _tile, _v_dot, _end_terms,
+    _store_key_side_grads, _chunk_layout)
 from pallas_kernels.linear_attention.reference import chunk_kda_ref
-
-_F32 = jnp.float32
-N_TILES = CHUNK // TILE
-_NN = ((1,), (0,))  # a @ b
-_NT = ((1,), (1,))  # a @ b^T
-_TN = ((0,), (0,))  # a^T @ b
 # K slice width of the bounded path. Narrow slices bound the live [16, bk]
 # fp32 tiles: on an H200 (B1 T32768 H16 D128 bf16, experiments/profile_kda.py)
 # bk=128 gave dv_intra 30.9 ms, grad 77.5 ms, fwd+bwd 121 ms; bk=32 gave
@@ -224,131 +218,8 @@ NUM_STAGES = 2
 __all__ = ["kda_pallas", "register", "GMinError", "G_MIN_LOWEST"]
 
 
-def _compiler_params(num_warps=4, num_stages=2):
-  if plgpu_triton is None:
-    return None
-  return plgpu_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-
-
 def _params(kernel):
   return _compiler_params(NUM_WARPS[kernel], NUM_STAGES)
-
-
-def _next_pow2(n):
-  return 1 << (n - 1).bit_length()
-
-
-def _block_v(dv, cap=64):
-  """Largest power of two dividing dv, at most cap (dv is a multiple of 16)."""
-  bv = cap
-  while dv % bv:
-    bv //= 2
-  return bv
-
-
-def _dot(a, b, dims=_NN, mm=_F32):
-  """dot_general with operands cast to mm and fp32 accumulation.
-
-  fp32 operands use Precision.HIGHEST (IEEE fp32, not TF32, on the GPU).
-  """
-  prec = jax.lax.Precision.HIGHEST if mm == _F32 else None
-  return jax.lax.dot_general(a.astype(mm), b.astype(mm), (dims, ((), ())),
-                             precision=prec, preferred_element_type=_F32)
-
-
-def _rows(t):
-  return pl.ds(t * TILE, TILE)
-
-
-def _decay_tiles(b_ref, cols):
-  """Within-chunk decays of one chunk, tile by tile, for the columns `cols`.
-
-  b_ref holds b, the within-chunk inclusive cumsum of g, as the intra
-  kernel stored it (so that every kernel sees the same rounded b and
-  exponent differences such as b_C - b_j are consistent across kernels).
-  Returns b_tiles (4 x [16, w] fp32), anchors (4 x [1, w]: b at the first
-  row of each tile) and b_C [w] (the chunk's last row, taken as a masked
-  sum: exact).
-  """
-  b_tiles = [b_ref[_rows(t), cols].astype(_F32) for t in range(N_TILES)]
-  anchors = [b_ref[pl.ds(t * TILE, 1), cols].astype(_F32)
-             for t in range(N_TILES)]
-  last = jax.lax.broadcasted_iota(jnp.int32, b_tiles[-1].shape, 0) == TILE - 1
-  b_last = jnp.sum(jnp.where(last, b_tiles[-1], 0.0), axis=0)
-  return b_tiles, anchors, b_last
-
-
-def _cumsum_tiles(g_ref, cols, n_tiles=N_TILES, g_min=None):
-  """b, the within-chunk inclusive cumsum of g, for the columns `cols`.
-
-  The same triple as _decay_tiles, computed from g for the first `n_tiles`
-  tiles (the last element is then b at the last row of tile n_tiles - 1,
-  b_C when n_tiles = N_TILES): each 16-row tile is cumsummed on its own and
-  offset by the previous tiles' total (the last row of the previous tile,
-  taken as a masked sum: exact). The intra kernel stores these b tiles for
-  the backward, so every kernel sees the same rounded b; re-running this on
-  the same slice gives the same bits, for any n_tiles.
-
-  With g_min (the bounded path), g is clamped to g_min as it is loaded: the
-  op is KDA on g' = where(g < g_min, g_min, g) (where, as the XLA clamp
-  this replaces: a NaN stays NaN), and grad_k zeroes dg below g_min.
-  """
-  carry, b_tiles, anchors = None, [], []
-  for t in range(n_tiles):
-    g_t = g_ref[_rows(t), cols].astype(_F32)
-    if g_min is not None:
-      g_t = jnp.where(g_t < g_min, jnp.float32(g_min), g_t)
-    b_t = jnp.cumsum(g_t, axis=0)
-    if carry is not None:
-      b_t = b_t + carry[None, :]
-    row = jax.lax.broadcasted_iota(jnp.int32, b_t.shape, 0)
-    b_tiles.append(b_t)
-    anchors.append(jnp.sum(jnp.where(row == 0, b_t, 0.0), axis=0)[None, :])
-    carry = jnp.sum(jnp.where(row == TILE - 1, b_t, 0.0), axis=0)
-  return b_tiles, anchors, carry
-
-
-def _tile_iota():
-  row = jax.lax.broadcasted_iota(jnp.int32, (TILE, TILE), 0)
-  col = jax.lax.broadcasted_iota(jnp.int32, (TILE, TILE), 1)
-  return row, col
-
-
-def _pair_decay(b_t, mask):
-  """exp(b_i - b_j) on the position pairs of one tile [16, 16, w].
-
-  The mask goes into the exponent (-inf where masked) BEFORE the exp: above
-  the diagonal b_i - b_j >= 0 is unbounded and exp would overflow.
-  """
-  diff = b_t[:, None, :] - b_t[None, :, :]
-  return jnp.exp(jnp.where(mask[:, :, None], diff, -jnp.inf))
-
-
-def _row_slice_scores(i, xs, y_t, b, c, mask, bounded, mm):
-  """One K slice's part of row tile i of P_ij = sum_d x_id y_jd
-  exp(b_id - b_jd), j <= i, for every x in `xs` against the same keys y.
-
-  xs: list of [16, w] fp32 query tiles (tile i); y_t, b: tiles 0..i
-  [16, w] fp32; c: anchors [1, w] of tiles 0..i. Returns one list of i + 1
-  [16, 16] tiles (j = 0..i) per x. Dense tiles are anchored at c_i (query
-  factor <= 1; key factor <= 1 off the diagonal); the decayed key tile is
-  built once per j and shared by every x. The diagonal tile of the unbounded
-  path is computed on position pairs with `mask` in the exponent. The caller
-  masks the diagonal tile (after summing the slices).
-  """
-  x_scale = jnp.exp(b[i] - c[i])                              # <= 1
-  x_dec = [x * x_scale for x in xs]
-  outs = [[] for _ in xs]
-  for j in range(i + 1):
-    if j == i and not bounded:
-      yp = y_t[i][None, :, :] * _pair_decay(b[i], mask)       # [16, 16, w]
-      for out, x in zip(outs, xs):
-        out.append(jnp.sum(x[:, None, :] * yp, axis=-1))
-    else:
-      y_dec = y_t[j] * jnp.exp(c[i] - b[j])
-      for out, xd in zip(outs, x_dec):
-        out.append(_dot(xd, y_dec, _NT, mm))
-  return outs
 
 
 def _inv_unit_lower_tile(n, row, col):
@@ -386,21 +257,6 @@ def _beta_tiles(beta_ref):
   """beta of the chunk as 4 x [16, 1] fp32 columns."""
   return [jax.lax.broadcast_in_dim(beta_ref[_rows(t)].astype(_F32),
                                    (TILE, 1), (0,)) for t in range(N_TILES)]
-
-
-def _k_slice(kk, bk):
-  """Columns of K slice kk (a traced loop index) of width bk."""
-  return pl.ds(pl.multiple_of(kk * bk, bk), bk)
-
-
-def _store_row(ref, i, tiles):
-  """Writes row tile i of a lower-triangular [C, C] block: tiles j <= i from
-  the list `tiles`, zeros above the diagonal, so the block is a dense lower
-  triangular matrix that later kernels use in single [C, C] dots."""
-  zero = jnp.zeros((TILE, TILE), ref.dtype)
-  for j in range(N_TILES):
-    t = tiles[j].astype(ref.dtype) if j <= i else zero
-    ref[_rows(i), pl.ds(j * TILE, TILE)] = t
 
 
 def _store_lower_product(out_ref, cols, mt, rhs, mm):
@@ -516,17 +372,8 @@ def _state_kernel(w_ref, u_ref, kg_ref, ec_ref, s0_ref, states_ref, vnew_ref,
   sfin_ref[...] = s
 
 
-# ---------------------------------------------------------------------------
-# Kernel 3: outputs, parallel over chunks (two dense dots per chunk).
-# ---------------------------------------------------------------------------
-
-
-def _output_kernel(qg_ref, aqk_ref, vnew_ref, s_ref, o_ref, *, scale, mm):
-  # qg_ref (q exp(b), exp(b) <= 1) [C, Kp]; aqk_ref [C, C]; vnew_ref, o_ref
-  # [C, BV]; s_ref [Kp, BV]. O = scale ((q exp(b)) S + Aqk V').
-  out = _dot(qg_ref[...], s_ref[...], mm=mm) + _dot(aqk_ref[...],
-                                                    vnew_ref[...], mm=mm)
-  o_ref[...] = (scale * out).astype(o_ref.dtype)
+# Kernel 3, the output O = scale ((q exp(b)) S + Aqk V'), is
+# chunk_common._output_kernel (shared with GLA, where V' is v).
 
 
 # ---------------------------------------------------------------------------
@@ -613,17 +460,7 @@ def _grad_k_kernel(q_ref, k_ref, b_ref, g_ref, beta_ref, do_ref, vn_ref,
   q_t = [q_ref[_rows(t), :].astype(_F32) for t in range(N_TILES)]
   k_t = [k_ref[_rows(t), :].astype(_F32) for t in range(N_TILES)]
 
-  def v_dot(x_ref, y_ref, t):
-    """x[tile t] @ y^T over all of V, [16, V] x [w, V] -> [16, w]."""
-    acc = None
-    for cv in range(0, x_ref.shape[-1], bv):
-      cols = pl.ds(cv, bv)
-      part = _dot(x_ref[_rows(t), cols], y_ref[:, cols], _NT, mm)
-      acc = part if acc is None else acc + part
-    return acc
-
-  def tile(ref, i, j):
-    return ref[_rows(i), pl.ds(j * TILE, TILE)]
+  v_dot = functools.partial(_v_dot, bv=bv, mm=mm)
 
   # dL/db = q dq + k (dk_+b - dk_-b), formed term by term: a tile pair's
   # contribution to the query side and to the key side is multiplied by the
@@ -633,24 +470,10 @@ def _grad_k_kernel(q_ref, k_ref, b_ref, g_ref, beta_ref, do_ref, vn_ref,
   # residues: bounded path, bf16, T=130, K=V=32: dg relative error 1.7e-2
   # instead of 4.0e-3).
   dq, dk_pos = [None] * N_TILES, [None] * N_TILES   # "+b" factors
-  dk_neg, db_neg = [None] * N_TILES, [None] * N_TILES   # "-b" factors
   db_pos, dbeta = [None] * N_TILES, [None] * N_TILES
-  d_end = None   # the chunk-end term of dL/db (last row), [w]
-  for j in range(N_TILES):   # k exp(b_C - b) on S_{n+1}
-    t_end = v_dot(vn_ref, dh_ref, j) * jnp.exp(b_last[None, :] - b[j])
-    dk_neg[j], db_neg[j] = t_end, k_t[j] * t_end
-    part = jnp.sum(db_neg[j], axis=0)
-    d_end = part if d_end is None else d_end + part
-  # exp(b_C) scales S_n and k exp(b_C - b) in S_{n+1} = exp(b_C) S_n
-  # + (k exp(b_C - b))^T V', so d/db_C = sum_v dH * S_{n+1}
-  #   = exp(b_C) sum_v dH * S_n + sum_c k_c exp(b_C - b_c) (V' dH^T)_c:
-  # the second sum is the column sum of the "-b" end terms just formed (the
-  # same fp32 products, so that they cancel in the reverse cumsum), and no
-  # S_{n+1} is read.
-  for cv in range(0, dh_ref.shape[-1], bv):
-    cols = pl.ds(cv, bv)
-    d_end = d_end + jnp.exp(b_last) * jnp.sum(
-        dh_ref[:, cols].astype(_F32) * s_ref[:, cols].astype(_F32), axis=1)
+  # "-b" factors, starting with the chunk-end terms (S_{n+1} through V').
+  dk_neg, db_neg, d_end = _end_terms(vn_ref, dh_ref, s_ref, k_t, b, b_last,
+                                     bv, mm)
   for i in range(N_TILES):
     eb = jnp.exp(b[i])
     dq_i = scale * v_dot(do_ref, s_ref, i) * eb               # (q exp(b)) S
@@ -664,7 +487,7 @@ def _grad_k_kernel(q_ref, k_ref, b_ref, g_ref, beta_ref, do_ref, vn_ref,
     k_dec = (k_t[i] * x_scale).astype(mm)
     acc_q = acc_k = None
     for j in range(i + 1):
-      da, dlk = tile(da_ref, i, j), tile(dlk_ref, i, j)
+      da, dlk = _tile(da_ref, i, j), _tile(dlk_ref, i, j)
       if j == i and not bounded:
         pd = _pair_decay(b[i], causal)                        # [16, 16, w]
         pk = pd * k_t[i][None, :, :]
@@ -691,30 +514,11 @@ def _grad_k_kernel(q_ref, k_ref, b_ref, g_ref, beta_ref, do_ref, vn_ref,
       dk_i = dk_i + acc_k * x_scale
       db_i = db_i + acc_q * q_dec.astype(_F32) + acc_k * k_dec.astype(_F32)
     dq[i], dk_pos[i], db_pos[i] = dq_i, dk_i, db_i
-  # dg = the within-chunk reverse cumsum of dL/db, last tile first: inside a
-  # tile as one fp32 dot with the upper-triangular ones (row r sums rows
-  # r..15, each sum on its own, like XLA's windowed cumsum), plus the sum of
-  # the later tiles (row 0 of the previous result, taken as a masked sum:
-  # exact). XLA did this before as a separate pass over [B, T, H, K] fp32.
-  # With g_min, dg is zero where g < g_min (the clamp's gradient; before,
-  # an XLA pass over g and dg): the mask applies after the cumsum, which
-  # runs over the clamped g' on which the op was computed.
-  upper = jnp.where(col >= row, 1.0, 0.0).astype(_F32)
-  tile_row = jax.lax.broadcasted_iota(jnp.int32, dq[0].shape, 0)
-  later = None
-  for i in reversed(range(N_TILES)):
-    dq_ref[_rows(i), :] = dq[i].astype(dq_ref.dtype)
-    dk_ref[_rows(i), :] = (dk_pos[i] + dk_neg[i]).astype(dk_ref.dtype)
-    db_i = db_pos[i] - db_neg[i]
-    if i == N_TILES - 1:
-      db_i = db_i + jnp.where(tile_row == TILE - 1, d_end[None, :], 0.0)
-    dg_i = _dot(upper, db_i)
-    if later is not None:
-      dg_i = dg_i + later[None, :]
-    later = jnp.sum(jnp.where(tile_row == 0, dg_i, 0.0), axis=0)
-    if g_min is not None:
-      dg_i = jnp.where(g_ref[_rows(i), :] < g_min, 0.0, dg_i)
-    dg_ref[_rows(i), :] = dg_i
+  _store_key_side_grads(
+      dq, [p + n for p, n in zip(dk_pos, dk_neg)],
+      [p - n for p, n in zip(db_pos, db_neg)], d_end, dq_ref, dk_ref, dg_ref,
+      g_ref, g_min)
+  for i in range(N_TILES):
     dbeta_ref[_rows(i)] = dbeta[i]
 
 
@@ -723,40 +527,14 @@ def _grad_k_kernel(q_ref, k_ref, b_ref, g_ref, beta_ref, do_ref, vn_ref,
 # ---------------------------------------------------------------------------
 
 
-def _pad(x, tp, d_pad):
-  """[B, T, H, D] -> [B, Tp, H, D_pad], zero padded (a no-op when aligned)."""
-  t, d = x.shape[1], x.shape[3]
-  if tp == t and d_pad == d:
-    return x
-  return jnp.pad(x, ((0, 0), (0, tp - t), (0, 0), (0, d_pad - d)))
-
-
-# Block specs. Chunk-parallel grids are (B, H, N) or (B, H, N, j) with j a V
-# block or a K slice; the sequential passes have grid (B, H, j), j a V block.
-def _chunk_spec(d, blocked=False):
-  """Chunk n of a [B, Tp, H, D] array, columns [j d, (j+1) d) if blocked
-  (grid (B, H, N, j)), else all of D (grid (B, H, N) or (B, H, N, j))."""
-  if blocked:
-    return pl.BlockSpec((None, CHUNK, None, d),
-                        lambda b, h, n, j: (b, n, h, j))
-  return pl.BlockSpec((None, CHUNK, None, d), lambda b, h, n, *_: (b, n, h, 0))
-
-
-def _square_spec():
-  """The [C, C] matrix of chunk n in [B, H, Tp, C]; grid (B, H, N[, j])."""
-  return pl.BlockSpec((None, None, CHUNK, CHUNK),
-                      lambda b, h, n, *_: (b, h, n, 0))
+# Block specs (see also chunk_common). Chunk-parallel grids are (B, H, N) or
+# (B, H, N, j) with j a V block or a K slice; the sequential passes have grid
+# (B, H, j), j a V block.
 
 
 def _beta_spec():
   """Chunk n of beta [B, H, Tp]; grid (B, H, N[, j])."""
   return pl.BlockSpec((None, None, CHUNK), lambda b, h, n, *_: (b, h, n))
-
-
-def _state_spec(kp, bv):
-  """The [Kp, BV] state of chunk n in [B, H, N, Kp, V]; grid (B, H, N, j)."""
-  return pl.BlockSpec((None, None, None, kp, bv),
-                      lambda b, h, n, j: (b, h, n, 0, j))
 
 
 def _pass_specs(lay):
@@ -780,21 +558,7 @@ def _pass_ec_spec(lay):
 
 
 def _layout(q, v, block_k):
-  bsz, t, h, dk = q.shape
-  dv = v.shape[-1]
-  tp = -(-t // CHUNK) * CHUNK
-  kp = _next_pow2(dk)
-  bv = _block_v(dv)
-  bv_pass = _block_v(dv, BLOCK_V_PASS)
-  return dict(bsz=bsz, t=t, h=h, dk=dk, dv=dv, tp=tp, n_chunks=tp // CHUNK,
-              chunk=CHUNK,
-              kp=kp, bk=min(kp, block_k), bv=bv, nv=dv // bv,
-              bv_pass=bv_pass, nv_pass=dv // bv_pass,
-              mm=jnp.bfloat16 if v.dtype == jnp.bfloat16 else _F32)
-
-
-def _shape_of(lay, *names, dtype=_F32):
-  return jax.ShapeDtypeStruct(tuple(lay[n] for n in names), dtype)
+  return _chunk_layout(q, v, block_k=block_k, bv_pass=BLOCK_V_PASS)
 
 
 def _prepare_inputs(q, k, v, beta, s0, lay):
@@ -868,22 +632,6 @@ def _state_call(w, u, kg, ec, s0p, lay, interpret):
       interpret=interpret,
       name="kda_state_pass",
   )(w, u, kg, ec, s0p)
-
-
-def _output_call(qg, aqk, v_new, states, lay, scale, dtype, interpret):
-  """Kernel 3: O [B, Tp, H, V] in dtype."""
-  kp, bv = lay["kp"], lay["bv"]
-  return pl.pallas_call(
-      functools.partial(_output_kernel, scale=scale, mm=lay["mm"]),
-      grid=(lay["bsz"], lay["h"], lay["n_chunks"], lay["nv"]),
-      in_specs=[_chunk_spec(kp), _square_spec(), _chunk_spec(bv, True),
-                _state_spec(kp, bv)],
-      out_specs=_chunk_spec(bv, True),
-      out_shape=_shape_of(lay, "bsz", "tp", "h", "dv", dtype=dtype),
-      compiler_params=_params("output"),
-      interpret=interpret,
-      name="kda_chunk_output",
-  )(qg, aqk, v_new, states)
 
 
 def _dvintra_call(aqk, dop, lay, scale, interpret):
@@ -1009,7 +757,8 @@ def _kda_fwd_impl(q, k, v, g, beta, s0, *, scale, block_k, bounded,
                       for_backward, g_min)
   w, u, aqk, qg, kg, ec = intra[:6]
   states, v_new, s_final = _state_call(w, u, kg, ec, s0p, lay, interpret)
-  o = _output_call(qg, aqk, v_new, states, lay, scale, v.dtype, interpret)
+  o = _output_call(qg, aqk, v_new, states, lay, scale, v.dtype, interpret,
+                   NUM_WARPS["output"], "kda_chunk_output")
   out = o[:, :lay["t"]], s_final[:, :, :lay["dk"]]
   if not for_backward:
     return out

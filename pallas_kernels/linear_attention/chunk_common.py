@@ -1,0 +1,376 @@
+"""Tiles, checks and kernels shared by the chunked GLA and KDA Pallas ops.
+
+DESIGN 3.1 / 3.2 / 4. A chunk is C = 64 rows in 4 tiles of 16; b is the
+within-chunk inclusive cumsum of the log decay g and b_C its last row.
+Both ops are built from the same pieces, so that a lesson measured on one
+(results/kernels.md) carries to the other:
+  * `_cumsum_tiles` / `_decay_tiles`: b tile by tile (computed once, by the
+    intra kernel, and stored: every later kernel sees the same rounded b);
+  * `_row_slice_scores`: one K slice of one row tile of a decayed score
+    matrix P_ij = sum_d x_id y_jd exp(b_id - b_jd), j <= i; dense dots
+    anchored at the query tile's first row on the bounded path, position
+    pairs on the unbounded path's diagonal tile;
+  * `_store_row`: a row tile of a dense lower-triangular [C, C] matrix;
+  * `_output_call`: O = scale ((q exp(b)) S_n + A X), two dense dots;
+  * the block specs of the [B, T, H, D] layout (no transposes) and of the
+    [B, H, Tp, C] per-chunk matrices;
+  * the input checks (`check_g_min`, `check_dims`).
+`lay` is a dict of static sizes (bsz, t, h, dk, dv, tp, n_chunks, chunk, kp,
+bk, bv, nv, mm) built by each op's `_layout`.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+try:  # Triton compiler params (jax 0.10 - 0.12); absent -> default params.
+  from jax.experimental.pallas import triton as plgpu_triton
+except ImportError:  # pragma: no cover
+  plgpu_triton = None
+
+CHUNK = 64
+TILE = 16
+N_TILES = CHUNK // TILE
+G_MIN_LOWEST = -5.5  # (TILE - 1) * 5.5 = 82.5 nats < ~88.7 (fp32/bf16 max exp)
+MAX_DIM = 256
+_F32 = jnp.float32
+_NN = ((1,), (0,))  # a @ b
+_NT = ((1,), (1,))  # a @ b^T
+_TN = ((0,), (0,))  # a^T @ b
+
+
+class GMinError(ValueError):
+  """g_min unusable by the bounded kernel (use g_min=None: unbounded path)."""
+
+
+def check_g_min(g_min):
+  """Raises GMinError (a ValueError) unless g_min is a float in [-5.5, 0)."""
+  if g_min is None or isinstance(g_min, bool) or not (
+      G_MIN_LOWEST <= float(g_min) < 0):
+    raise GMinError(
+        f"the bounded Pallas path needs g_min in [{G_MIN_LOWEST}, 0) (dense "
+        f"16-row diagonal tiles span (16-1)*|g_min| nats), got "
+        f"g_min={g_min!r}; pass g_min=None for the unbounded (position-pair) "
+        "path")
+
+
+def check_dims(q, v, chunk_size, what="GLA"):
+  """Kernel limits on K, V, chunk size and dtypes (ValueError names them)."""
+  if chunk_size != CHUNK:
+    raise ValueError(f"the Pallas {what} kernel supports chunk_size={CHUNK} "
+                     f"only, got chunk_size={chunk_size!r}")
+  for name, d in (("K", q.shape[-1]), ("V", v.shape[-1])):
+    if d % TILE or not 0 < d <= MAX_DIM:
+      raise ValueError(f"the Pallas {what} kernel needs {name} a multiple of "
+                       f"{TILE} in [16, {MAX_DIM}], got {name}={d}")
+  for name, x in (("q", q), ("v", v)):
+    if x.dtype not in (jnp.float32, jnp.bfloat16):
+      raise ValueError(f"the Pallas {what} kernel takes {name} in float32 or "
+                       f"bfloat16, got {x.dtype}")
+
+
+def _compiler_params(num_warps=4, num_stages=2):
+  if plgpu_triton is None:
+    return None
+  return plgpu_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _next_pow2(n):
+  return 1 << (n - 1).bit_length()
+
+
+def _block_v(dv, cap=64):
+  """Largest power of two dividing dv, at most cap (dv is a multiple of 16)."""
+  bv = cap
+  while dv % bv:
+    bv //= 2
+  return bv
+
+
+def _dot(a, b, dims=_NN, mm=_F32):
+  """dot_general with operands cast to mm and fp32 accumulation.
+
+  fp32 operands use Precision.HIGHEST (IEEE fp32, not TF32, on the GPU).
+  """
+  prec = jax.lax.Precision.HIGHEST if mm == _F32 else None
+  return jax.lax.dot_general(a.astype(mm), b.astype(mm), (dims, ((), ())),
+                             precision=prec, preferred_element_type=_F32)
+
+
+def _rows(t):
+  return pl.ds(t * TILE, TILE)
+
+
+def _decay_tiles(b_ref, cols):
+  """Within-chunk decays of one chunk, tile by tile, for the columns `cols`.
+
+  b_ref holds b, the within-chunk inclusive cumsum of g, as the intra
+  kernel stored it (so that every kernel sees the same rounded b and
+  exponent differences such as b_C - b_j are consistent across kernels).
+  Returns b_tiles (4 x [16, w] fp32), anchors (4 x [1, w]: b at the first
+  row of each tile) and b_C [w] (the chunk's last row, taken as a masked
+  sum: exact).
+  """
+  b_tiles = [b_ref[_rows(t), cols].astype(_F32) for t in range(N_TILES)]
+  anchors = [b_ref[pl.ds(t * TILE, 1), cols].astype(_F32)
+             for t in range(N_TILES)]
+  last = jax.lax.broadcasted_iota(jnp.int32, b_tiles[-1].shape, 0) == TILE - 1
+  b_last = jnp.sum(jnp.where(last, b_tiles[-1], 0.0), axis=0)
+  return b_tiles, anchors, b_last
+
+
+def _cumsum_tiles(g_ref, cols, n_tiles=N_TILES, g_min=None):
+  """b, the within-chunk inclusive cumsum of g, for the columns `cols`.
+
+  The same triple as _decay_tiles, computed from g for the first `n_tiles`
+  tiles (the last element is then b at the last row of tile n_tiles - 1,
+  b_C when n_tiles = N_TILES): each 16-row tile is cumsummed on its own and
+  offset by the previous tiles' total (the last row of the previous tile,
+  taken as a masked sum: exact). The intra kernel stores these b tiles for
+  the backward, so every kernel sees the same rounded b; re-running this on
+  the same slice gives the same bits, for any n_tiles.
+
+  With g_min (the bounded path), g is clamped to g_min as it is loaded: the
+  op is KDA on g' = where(g < g_min, g_min, g) (where, as the XLA clamp
+  this replaces: a NaN stays NaN), and grad_k zeroes dg below g_min.
+  """
+  carry, b_tiles, anchors = None, [], []
+  for t in range(n_tiles):
+    g_t = g_ref[_rows(t), cols].astype(_F32)
+    if g_min is not None:
+      g_t = jnp.where(g_t < g_min, jnp.float32(g_min), g_t)
+    b_t = jnp.cumsum(g_t, axis=0)
+    if carry is not None:
+      b_t = b_t + carry[None, :]
+    row = jax.lax.broadcasted_iota(jnp.int32, b_t.shape, 0)
+    b_tiles.append(b_t)
+    anchors.append(jnp.sum(jnp.where(row == 0, b_t, 0.0), axis=0)[None, :])
+    carry = jnp.sum(jnp.where(row == TILE - 1, b_t, 0.0), axis=0)
+  return b_tiles, anchors, carry
+
+
+def _tile_iota():
+  row = jax.lax.broadcasted_iota(jnp.int32, (TILE, TILE), 0)
+  col = jax.lax.broadcasted_iota(jnp.int32, (TILE, TILE), 1)
+  return row, col
+
+
+def _pair_decay(b_t, mask):
+  """exp(b_i - b_j) on the position pairs of one tile [16, 16, w].
+
+  The mask goes into the exponent (-inf where masked) BEFORE the exp: above
+  the diagonal b_i - b_j >= 0 is unbounded and exp would overflow.
+  """
+  diff = b_t[:, None, :] - b_t[None, :, :]
+  return jnp.exp(jnp.where(mask[:, :, None], diff, -jnp.inf))
+
+
+def _row_slice_scores(i, xs, y_t, b, c, mask, bounded, mm):
+  """One K slice's part of row tile i of P_ij = sum_d x_id y_jd
+  exp(b_id - b_jd), j <= i, for every x in `xs` against the same keys y.
+
+  xs: list of [16, w] fp32 query tiles (tile i); y_t, b: tiles 0..i
+  [16, w] fp32; c: anchors [1, w] of tiles 0..i. Returns one list of i + 1
+  [16, 16] tiles (j = 0..i) per x. Dense tiles are anchored at c_i (query
+  factor <= 1; key factor <= 1 off the diagonal); the decayed key tile is
+  built once per j and shared by every x. The diagonal tile of the unbounded
+  path is computed on position pairs with `mask` in the exponent. The caller
+  masks the diagonal tile (after summing the slices).
+  """
+  x_scale = jnp.exp(b[i] - c[i])                              # <= 1
+  x_dec = [x * x_scale for x in xs]
+  outs = [[] for _ in xs]
+  for j in range(i + 1):
+    if j == i and not bounded:
+      yp = y_t[i][None, :, :] * _pair_decay(b[i], mask)       # [16, 16, w]
+      for out, x in zip(outs, xs):
+        out.append(jnp.sum(x[:, None, :] * yp, axis=-1))
+    else:
+      y_dec = y_t[j] * jnp.exp(c[i] - b[j])
+      for out, xd in zip(outs, x_dec):
+        out.append(_dot(xd, y_dec, _NT, mm))
+  return outs
+
+
+def _k_slice(kk, bk):
+  """Columns of K slice kk (a traced loop index) of width bk."""
+  return pl.ds(pl.multiple_of(kk * bk, bk), bk)
+
+
+def _store_row(ref, i, tiles):
+  """Writes row tile i of a lower-triangular [C, C] block: tiles j <= i from
+  the list `tiles`, zeros above the diagonal, so the block is a dense lower
+  triangular matrix that later kernels use in single [C, C] dots."""
+  zero = jnp.zeros((TILE, TILE), ref.dtype)
+  for j in range(N_TILES):
+    t = tiles[j].astype(ref.dtype) if j <= i else zero
+    ref[_rows(i), pl.ds(j * TILE, TILE)] = t
+
+
+def _output_kernel(qg_ref, aqk_ref, vnew_ref, s_ref, o_ref, *, scale, mm):
+  # qg_ref (q exp(b), exp(b) <= 1) [C, Kp]; aqk_ref [C, C]; vnew_ref, o_ref
+  # [C, BV]; s_ref [Kp, BV]. O = scale ((q exp(b)) S + Aqk V').
+  out = _dot(qg_ref[...], s_ref[...], mm=mm) + _dot(aqk_ref[...],
+                                                    vnew_ref[...], mm=mm)
+  o_ref[...] = (scale * out).astype(o_ref.dtype)
+
+
+def _pad(x, tp, d_pad):
+  """[B, T, H, D] -> [B, Tp, H, D_pad], zero padded (a no-op when aligned)."""
+  t, d = x.shape[1], x.shape[3]
+  if tp == t and d_pad == d:
+    return x
+  return jnp.pad(x, ((0, 0), (0, tp - t), (0, 0), (0, d_pad - d)))
+
+
+def _chunk_spec(d, blocked=False):
+  """Chunk n of a [B, Tp, H, D] array, columns [j d, (j+1) d) if blocked
+  (grid (B, H, N, j)), else all of D (grid (B, H, N) or (B, H, N, j))."""
+  if blocked:
+    return pl.BlockSpec((None, CHUNK, None, d),
+                        lambda b, h, n, j: (b, n, h, j))
+  return pl.BlockSpec((None, CHUNK, None, d), lambda b, h, n, *_: (b, n, h, 0))
+
+
+def _square_spec():
+  """The [C, C] matrix of chunk n in [B, H, Tp, C]; grid (B, H, N[, j])."""
+  return pl.BlockSpec((None, None, CHUNK, CHUNK),
+                      lambda b, h, n, *_: (b, h, n, 0))
+
+
+def _state_spec(kp, bv):
+  """The [Kp, BV] state of chunk n in [B, H, N, Kp, V]; grid (B, H, N, j)."""
+  return pl.BlockSpec((None, None, None, kp, bv),
+                      lambda b, h, n, j: (b, h, n, 0, j))
+
+
+def _chunk_layout(q, v, *, block_k, bv_pass, bk_pass=None, bv=64):
+  """Static sizes of one call (the `lay` dict the wrappers pass around).
+
+  T is padded to tp (a multiple of C), K to kp (a power of two). bk: the K
+  slice width of the chunk kernels; bv (<= 64): the V block of the chunk
+  kernels; bv_pass / bk_pass: the V / K blocks of the sequential passes
+  (bk_pass None: all of K). mm: the dots' operand dtype.
+  """
+  bsz, t, h, dk = q.shape
+  dv = v.shape[-1]
+  tp = -(-t // CHUNK) * CHUNK
+  kp = _next_pow2(dk)
+  bv = _block_v(dv, bv)
+  bv_pass = _block_v(dv, bv_pass)
+  bk_pass = kp if bk_pass is None else min(kp, bk_pass)
+  return dict(bsz=bsz, t=t, h=h, dk=dk, dv=dv, tp=tp, n_chunks=tp // CHUNK,
+              chunk=CHUNK, kp=kp, bk=min(kp, block_k), bv=bv, nv=dv // bv,
+              bv_pass=bv_pass, nv_pass=dv // bv_pass, bk_pass=bk_pass,
+              nk_pass=kp // bk_pass,
+              mm=jnp.bfloat16 if v.dtype == jnp.bfloat16 else _F32)
+
+
+def _shape_of(lay, *names, dtype=_F32):
+  return jax.ShapeDtypeStruct(tuple(lay[n] for n in names), dtype)
+
+
+def _output_call(qg, aqk, v_new, states, lay, scale, dtype, interpret,
+                 num_warps, name):
+  """O = scale ((q exp(b)) S_n + Aqk X) [B, Tp, H, V] in dtype: qg [B, Tp,
+  H, Kp], Aqk [B, H, Tp, C], X [B, Tp, H, V] (GLA: v; KDA: V'), states
+  [B, H, N, Kp, V]. Grid (B, H, N, V/bv), parallel."""
+  kp, bv = lay["kp"], lay["bv"]
+  return pl.pallas_call(
+      functools.partial(_output_kernel, scale=scale, mm=lay["mm"]),
+      grid=(lay["bsz"], lay["h"], lay["n_chunks"], lay["nv"]),
+      in_specs=[_chunk_spec(kp), _square_spec(), _chunk_spec(bv, True),
+                _state_spec(kp, bv)],
+      out_specs=_chunk_spec(bv, True),
+      out_shape=_shape_of(lay, "bsz", "tp", "h", "dv", dtype=dtype),
+      compiler_params=_compiler_params(num_warps, 2),
+      interpret=interpret,
+      name=name,
+  )(qg, aqk, v_new, states)
+
+
+# ---------------------------------------------------------------------------
+# Key-side gradients (one K slice of one chunk): pieces shared by the GLA and
+# KDA grad_k kernels. dL/db is formed term by term, "+b" terms (the query
+# side, q exp(b)) minus "-b" terms (the key side, k exp(-b)), and dg is its
+# within-chunk reverse cumsum.
+# ---------------------------------------------------------------------------
+
+
+def _tile(ref, i, j):
+  """Tile (i, j) [16, 16] of a [C, C] block."""
+  return ref[_rows(i), pl.ds(j * TILE, TILE)]
+
+
+def _v_dot(x_ref, y_ref, t, *, bv, mm):
+  """x[tile t] @ y^T over all of V in bv-column blocks: [16, V] x [w, V] ->
+  [16, w] fp32."""
+  acc = None
+  for cv in range(0, x_ref.shape[-1], bv):
+    cols = pl.ds(cv, bv)
+    part = _dot(x_ref[_rows(t), cols], y_ref[:, cols], _NT, mm)
+    acc = part if acc is None else acc + part
+  return acc
+
+
+def _end_terms(x_ref, dh_ref, s_ref, k_t, b, b_last, bv, mm):
+  """The chunk-end terms of one K slice, through S_{n+1} = diag(exp(b_C)) S_n
+  + (k exp(b_C - b))^T X (GLA: X = v; KDA: X = V').
+
+  x_ref [C, V]; dh_ref (grad of the state leaving), s_ref (state entering)
+  [w, V]; k_t 4 x [16, w] fp32; b 4 x [16, w], b_last [w] fp32.
+  Returns (dk_neg, db_neg, d_end): the "-b" factors (X dH^T) exp(b_C - b)
+  and k times them (4 x [16, w] each), and d/db_C [w] (the chunk's last
+  row):  sum_v dH * S_{n+1} = exp(b_C) sum_v dH * S_n + sum_c k_c
+  exp(b_C - b_c) (X dH^T)_c. The second sum is the column sum of the "-b"
+  end terms just formed (the same fp32 products, so that they cancel in the
+  reverse cumsum), and no S_{n+1} is read.
+  """
+  dk_neg, db_neg, d_end = [], [], None
+  for j in range(N_TILES):
+    t_end = _v_dot(x_ref, dh_ref, j, bv=bv, mm=mm) * jnp.exp(
+        b_last[None, :] - b[j])
+    dk_neg.append(t_end)
+    db_neg.append(k_t[j] * t_end)
+    part = jnp.sum(db_neg[j], axis=0)
+    d_end = part if d_end is None else d_end + part
+  for cv in range(0, dh_ref.shape[-1], bv):
+    cols = pl.ds(cv, bv)
+    d_end = d_end + jnp.exp(b_last) * jnp.sum(
+        dh_ref[:, cols].astype(_F32) * s_ref[:, cols].astype(_F32), axis=1)
+  return dk_neg, db_neg, d_end
+
+
+def _store_key_side_grads(dq, dk, db, d_end, dq_ref, dk_ref, dg_ref, g_ref,
+                          g_min):
+  """Stores dq, dk (in their refs' dtypes) and dg for one K slice.
+
+  dq, dk, db: 4 x [16, w] fp32 (db = dL/db without the chunk-end term);
+  d_end [w] (added at the chunk's last row). dg is the within-chunk reverse
+  cumsum of dL/db, last tile first: inside a tile as one fp32 dot with the
+  upper-triangular ones (row r sums rows r..15, each sum on its own, like
+  XLA's windowed cumsum), plus the sum of the later tiles (row 0 of the
+  previous result, taken as a masked sum: exact). With g_min, dg is zero
+  where g_ref (the caller's g) < g_min: the clamp's gradient, applied after
+  the cumsum, which runs over the clamped g' the op was computed on.
+  """
+  row, col = _tile_iota()
+  upper = jnp.where(col >= row, 1.0, 0.0).astype(_F32)
+  tile_row = jax.lax.broadcasted_iota(jnp.int32, dq[0].shape, 0)
+  later = None
+  for i in reversed(range(N_TILES)):
+    dq_ref[_rows(i), :] = dq[i].astype(dq_ref.dtype)
+    dk_ref[_rows(i), :] = dk[i].astype(dk_ref.dtype)
+    db_i = db[i]
+    if i == N_TILES - 1:
+      db_i = db_i + jnp.where(tile_row == TILE - 1, d_end[None, :], 0.0)
+    dg_i = _dot(upper, db_i)
+    if later is not None:
+      dg_i = dg_i + later[None, :]
+    later = jnp.sum(jnp.where(tile_row == 0, dg_i, 0.0), axis=0)
+    if g_min is not None:
+      dg_i = jnp.where(g_ref[_rows(i), :] < g_min, 0.0, dg_i)
+    dg_ref[_rows(i), :] = dg_i

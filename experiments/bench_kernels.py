@@ -369,13 +369,13 @@ def main(argv):
     shape = _shape_list()[0]
     x = make_inputs(*shape)
     base = gla_pallas.DEFAULT_TUNING
-    grid = [base]
-    for bk in (32, 64):
-      grid.append(dataclasses.replace(base, bk_bounded=bk))
-    grid.append(dataclasses.replace(base, grad_bv=128))
-    grid.append(dataclasses.replace(base, bk_bounded=64, grad_bv=128))
-    grid.append(dataclasses.replace(base, state_bk=32, state_bv=32))
-    grid.append(dataclasses.replace(base, state_warps=2))
+    # One knob at a time around the defaults (KDA's measured choices).
+    knobs = (("block_k", 16), ("block_k", 64), ("pass_bv", 32),
+             ("pass_bk", 32), ("pass_bk", 128), ("grad_bv", 64),
+             ("intra_warps", 2), ("pass_warps", 8), ("dv_warps", 8),
+             ("grad_k_warps", 8), ("grad_k_warps", 2))
+    grid = [base] + [dataclasses.replace(base, **{name: value})
+                     for name, value in knobs]
     for tune in grid:
       try:
         ms = time_gla_tuned(x, tune, True, _ITERS.value)

@@ -21,8 +21,7 @@ G_MIN = -5.0
 PATHS = {"bounded": G_MIN, "unbounded": None}
 # Small blocks so that every grid axis has several blocks and the chunk
 # kernels loop over two K slices (K=32).
-SMALL = Tuning(state_bk=16, state_bv=16, out_bv=16, grad_bv=16,
-               bk_bounded=16, bk_unbounded=16)
+SMALL = Tuning(block_k=16, pass_bk=16, pass_bv=16, bv=16, grad_bv=16)
 
 
 def make_inputs(seed, t=T, dk=K, dv=V, g_low=G_MIN):
@@ -117,9 +116,9 @@ def test_many_blocks_and_k_slices_unbounded_and_bounded():
 @pytest.mark.parametrize("path", ["bounded", "unbounded"])
 def test_bf16_values_and_gradients_and_k_not_pow2(path):
   # bf16 inputs, K=48 (padded to 64 inside), V=16, T=80: the bf16 dot path.
-  # dg is the sensitive one: q dq - k dk cancels within a chunk, so the
-  # bounded path's diagonal tiles carry their decayed operand in two bf16
-  # parts (hi + lo); with one part dg's error was ~2.4e-2 (H200, T=1000).
+  # dg is the sensitive one: q dq - k dk cancels within a chunk, so dL/db
+  # is formed term by term from the same rounded dot operands on both sides
+  # (with q dq - k dk formed apart, dg's error was ~2.4e-2, H200, T=1000).
   q, k, v, g, s0 = make_inputs(1, t=80, dk=48, dv=16)
   qb, kb, vb = (x.astype(jnp.bfloat16) for x in (q, k, v))
   up = lambda x: x.astype(jnp.float32)  # noqa: E731
@@ -210,3 +209,13 @@ def test_chunk_size_not_64():
   q, k, v, g, _ = make_inputs(0, t=16)
   with pytest.raises(ValueError, match="chunk_size"):
     gla(q, k, v, g, backend="interpret", g_min=G_MIN, chunk_size=32)
+
+
+@pytest.mark.parametrize("field, value", [("block_k", 24), ("pass_bv", 8),
+                                          ("grad_bv", 0)])
+def test_bad_tuning_is_refused(field, value):
+  q, k, v, g, s0 = make_inputs(0, t=16)
+  tune = Tuning(**{field: value})
+  with pytest.raises(ValueError, match=f"tune.{field} must be a power of two"):
+    gla_pallas(q, k, v, g, scale=None, initial_state=s0, chunk_size=64,
+               g_min=G_MIN, interpret=True, tune=tune)

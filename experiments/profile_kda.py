@@ -11,6 +11,8 @@ per configuration, so that a slow kernel is named rather than guessed.
       --stages=0,1,3 --pass_bv=64,32
   PYTHONPATH=. python -m experiments.profile_kda --configs=bounded:32 \
       --set_warps=state:4,grad_k:8
+  PYTHONPATH=. python -m experiments.profile_kda \
+      --configs=bounded:32,bounded:32:split   # grad_k fused vs split
 
 --warps=0 keeps each kernel's own warp count (kda_pallas.NUM_WARPS); N forces
 N warps on every kernel, so one sweep gives each kernel's best count.
@@ -37,7 +39,9 @@ _H = flags.DEFINE_integer("h", 16, "Heads.")
 _D = flags.DEFINE_integer("d", 128, "K = V.")
 _CONFIGS = flags.DEFINE_list("configs", ["bounded:128", "bounded:64",
                                          "bounded:32", "unbounded:32"],
-                             "path:block_k pairs.")
+                             "path:block_k[:split] (split: the backward's "
+                             "contractions over V in their own kernel, "
+                             "kda_pallas split_grad_k).")
 _PASS_BV = flags.DEFINE_list("pass_bv", ["0"],
                               "0: default; N: V block width of the "
                               "sequential state passes (BLOCK_V_PASS).")
@@ -76,7 +80,7 @@ def inputs(b, t, h, d, seed=0):
   return bf(q), bf(k), bf(v), g, beta, bf(do)
 
 
-def profile(x, bounded, block_k, iters, interpret=False):
+def profile(x, bounded, block_k, iters, interpret=False, split=False):
   """{kernel name: ms} for one configuration."""
   q, k, v, g, beta, do = x
   bsz, _, h, dk = q.shape
@@ -122,14 +126,15 @@ def profile(x, bounded, block_k, iters, interpret=False):
   _, du, da, dlk, _ = f(m, lk, betap, vp, dop, v_new, dv_new)
   f = jax.jit(functools.partial(kp._grad_k_call, lay=lay, scale=scale,  # pylint: disable=protected-access
                                 bounded=bounded, interpret=interpret,
-                                g_min=g_min))
-  c["b4 grad_k (dq, dk, dg)"] = _median_ms(lambda: f(
+                                g_min=g_min, split=split))
+  c["b4 grad_k (dq, dk, dg)" + (" + state_side" if split else "")] = _median_ms(lambda: f(
       qp, kp_, bp, betap, dop, v_new, du, da, dlk, states, dstates, gp=gp),
                                            iters)
 
   run = lambda *a: kp.kda_pallas(  # noqa: E731
       *a, scale=None, initial_state=None, chunk_size=64, g_min=g_min,
-      bounded=bounded, block_k=block_k, interpret=interpret)
+      bounded=bounded, block_k=block_k, interpret=interpret,
+      split_grad_k=split)
   fwd = jax.jit(lambda q, k, v, g, beta: run(q, k, v, g, beta)[0])
 
   @jax.jit
@@ -170,13 +175,17 @@ def main(argv):
     kp.NUM_STAGES = stages or orig_stages
     jax.clear_caches()  # the jitted kernels read these when traced
     for cfg in _CONFIGS.value:
-      path, block_k = cfg.split(":")
-      name = (f"{path} block_k={block_k} warps={warps or 'default'}"
+      path, block_k, *opt = cfg.split(":")
+      if path not in ("bounded", "unbounded") or opt not in ([], ["split"]):
+        raise app.UsageError(f"--configs: bad entry {cfg!r}; expected "
+                             "path:block_k[:split], path bounded|unbounded")
+      name = (f"{path} block_k={block_k}{' split' if opt else ''} "
+              f"warps={warps or 'default'}"
               f"{' ' + ','.join(_SET_WARPS.value) if overrides else ''} "
               f"stages={kp.NUM_STAGES} pass_bv={kp.BLOCK_V_PASS}")
       try:
         c = profile(x, path == "bounded", int(block_k), _ITERS.value,
-                    _INTERPRET.value)
+                    _INTERPRET.value, split=bool(opt))
       except Exception as e:  # pylint: disable=broad-except
         print(f"{name} failed: {type(e).__name__}: {str(e)[:500]}")
         continue

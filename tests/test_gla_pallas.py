@@ -22,6 +22,9 @@ PATHS = {"bounded": G_MIN, "unbounded": None}
 # Small blocks so that every grid axis has several blocks and the chunk
 # kernels loop over two K slices (K=32).
 SMALL = Tuning(block_k=16, pass_bk=16, pass_bv=16, bv=16, grad_bv=16)
+# The same, with the backward's contractions over V in their own kernel.
+SMALL_SPLIT = Tuning(block_k=16, pass_bk=16, pass_bv=16, bv=16, grad_bv=16,
+                     split_grad_k=True, state_side_bk=16)
 
 
 def make_inputs(seed, t=T, dk=K, dv=V, g_low=G_MIN):
@@ -97,20 +100,25 @@ def test_gradients_fp32_match_reference(path):
                                atol=1e-4 * float(jnp.max(jnp.abs(b))))
 
 
-def test_many_blocks_and_k_slices_unbounded_and_bounded():
+@pytest.mark.parametrize("tune", [SMALL, SMALL_SPLIT], ids=["fused", "split"])
+def test_many_blocks_and_k_slices_unbounded_and_bounded(tune):
   # K=32, V=32 with 16-wide blocks: multi-block grids in every kernel, two
-  # K slices inside the chunk kernels, values and gradients.
+  # K slices inside the chunk kernels, values and gradients; grad_k with
+  # its contractions over V inside (fused) or precomputed (split).
   q, k, v, g, s0 = make_inputs(4, dk=32)
   w = jnp.asarray(np.random.default_rng(5).standard_normal((B, T, H, V)),
                   jnp.float32)
   want_o, want_s = chunk_gla_ref(q, k, v, g, initial_state=s0)
   want_g = grads_ref(w, q, k, v, g, s0)
   for g_min in (G_MIN, None):
-    o, s = run_pallas(q, k, v, g, s0, g_min=g_min, tune=SMALL)
+    o, s = run_pallas(q, k, v, g, s0, g_min=g_min, tune=tune)
     assert rel_err(o, want_o) < 1e-5 and rel_err(s, want_s) < 1e-5
-    got = grads_pallas(w, q, k, v, g, s0, g_min=g_min, tune=SMALL)
+    got = grads_pallas(w, q, k, v, g, s0, g_min=g_min, tune=tune)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "ds0"), got, want_g):
       assert rel_err(a, b) < 1e-4, (g_min, name)
+  traced = str(jax.make_jaxpr(functools.partial(grads_pallas, tune=tune))(
+      w, q, k, v, g, s0))
+  assert ("gla_chunk_state_side" in traced) == tune.split_grad_k
 
 
 @pytest.mark.parametrize("path", ["bounded", "unbounded"])
@@ -212,10 +220,18 @@ def test_chunk_size_not_64():
 
 
 @pytest.mark.parametrize("field, value", [("block_k", 24), ("pass_bv", 8),
-                                          ("grad_bv", 0)])
+                                          ("grad_bv", 0),
+                                          ("state_side_bk", 48)])
 def test_bad_tuning_is_refused(field, value):
   q, k, v, g, s0 = make_inputs(0, t=16)
   tune = Tuning(**{field: value})
   with pytest.raises(ValueError, match=f"tune.{field} must be a power of two"):
     gla_pallas(q, k, v, g, scale=None, initial_state=s0, chunk_size=64,
                g_min=G_MIN, interpret=True, tune=tune)
+
+
+def test_split_flag_must_be_bool():
+  q, k, v, g, s0 = make_inputs(0, t=16)
+  with pytest.raises(ValueError, match="tune.split_grad_k must be True or"):
+    gla_pallas(q, k, v, g, scale=None, initial_state=s0, chunk_size=64,
+               g_min=G_MIN, interpret=True, tune=Tuning(split_grad_k=1))

@@ -211,9 +211,10 @@ D_SHAPE = dict(t=130, dk=32, dv=48)
 D_SCALE = 0.3
 
 
-def d_op(g_min):
+def d_op(g_min, split_grad_k=False):
   op = functools.partial(kda_pallas, scale=D_SCALE, chunk_size=64,
-                         g_min=g_min, interpret=True, block_k=16)
+                         g_min=g_min, interpret=True, block_k=16,
+                         split_grad_k=split_grad_k)
   return lambda q, k, v, g, beta, s0: op(q, k, v, g, beta, initial_state=s0)
 
 
@@ -234,6 +235,33 @@ def test_k_slices_and_v_blocks_values_and_gradients(path, config_d):
   np.testing.assert_allclose(o, o_ref, rtol=1e-4, atol=1e-5)
   np.testing.assert_allclose(s, s_ref, rtol=1e-4, atol=1e-5)
   assert_grads_close(got, want, rel=1e-4, elem=1e-4)
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_split_grad_k_matches_reference(path, config_d):
+  # split_grad_k: the backward's contractions over V in their own kernel
+  # (chunk_common._state_side_kernel, K blocks of 64 > K=32 here: clipped),
+  # grad_k reading them. Same gradients as the oracle, and as the fused
+  # kernel to rounding (the V sums run in another order).
+  inputs, cts, want = config_d
+  _, got = pallas_grads(d_op(PATHS[path], split_grad_k=True), inputs, cts)
+  assert_grads_close(got, want, rel=1e-4, elem=1e-4)
+  _, fused = pallas_grads(d_op(PATHS[path]), inputs, cts)
+  for name, a, b in zip(GRAD_NAMES, got, fused):
+    assert rel_err(a, b) < 1e-5, name
+  # ... and the split path really runs the extra kernel.
+  traced = {split: str(jax.make_jaxpr(lambda *x, split=split: pallas_grads(
+      d_op(PATHS[path], split_grad_k=split), x, cts)[1])(*inputs))
+            for split in (False, True)}
+  assert "kda_chunk_state_side" in traced[True]
+  assert "kda_chunk_state_side" not in traced[False]
+
+
+def test_split_grad_k_must_be_bool():
+  q, k, v, g, beta, s0 = make_inputs(0, t=16)
+  with pytest.raises(ValueError, match="split_grad_k must be None, True or"):
+    kda_pallas(q, k, v, g, beta, scale=None, initial_state=s0, chunk_size=64,
+               g_min=G_MIN, interpret=True, split_grad_k="yes")
 
 
 def test_bounded_clamp_has_zero_grad():

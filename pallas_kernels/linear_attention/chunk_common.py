@@ -316,12 +316,13 @@ def _v_dot(x_ref, y_ref, t, *, bv, mm):
   return acc
 
 
-def _end_terms(x_ref, dh_ref, s_ref, k_t, b, b_last, bv, mm):
+def _end_terms(x_dh, dh_s, k_t, b, b_last):
   """The chunk-end terms of one K slice, through S_{n+1} = diag(exp(b_C)) S_n
   + (k exp(b_C - b))^T X (GLA: X = v; KDA: X = V').
 
-  x_ref [C, V]; dh_ref (grad of the state leaving), s_ref (state entering)
-  [w, V]; k_t 4 x [16, w] fp32; b 4 x [16, w], b_last [w] fp32.
+  x_dh(j) -> (X dH^T)[tile j] [16, w] fp32 (dH the grad of the state
+  leaving the chunk); dh_s [w] = sum_v dH * S_n; k_t 4 x [16, w] fp32;
+  b 4 x [16, w], b_last [w] fp32.
   Returns (dk_neg, db_neg, d_end): the "-b" factors (X dH^T) exp(b_C - b)
   and k times them (4 x [16, w] each), and d/db_C [w] (the chunk's last
   row):  sum_v dH * S_{n+1} = exp(b_C) sum_v dH * S_n + sum_c k_c
@@ -331,17 +332,102 @@ def _end_terms(x_ref, dh_ref, s_ref, k_t, b, b_last, bv, mm):
   """
   dk_neg, db_neg, d_end = [], [], None
   for j in range(N_TILES):
-    t_end = _v_dot(x_ref, dh_ref, j, bv=bv, mm=mm) * jnp.exp(
-        b_last[None, :] - b[j])
+    t_end = x_dh(j) * jnp.exp(b_last[None, :] - b[j])
     dk_neg.append(t_end)
     db_neg.append(k_t[j] * t_end)
     part = jnp.sum(db_neg[j], axis=0)
     d_end = part if d_end is None else d_end + part
+  return dk_neg, db_neg, d_end + jnp.exp(b_last) * dh_s
+
+
+def _dh_dot_s(dh_ref, s_ref, bv):
+  """sum_v dH * S [w] fp32 for state slices dh_ref, s_ref [w, V]."""
+  acc = None
   for cv in range(0, dh_ref.shape[-1], bv):
     cols = pl.ds(cv, bv)
-    d_end = d_end + jnp.exp(b_last) * jnp.sum(
-        dh_ref[:, cols].astype(_F32) * s_ref[:, cols].astype(_F32), axis=1)
-  return dk_neg, db_neg, d_end
+    part = jnp.sum(dh_ref[:, cols].astype(_F32) * s_ref[:, cols].astype(_F32),
+                   axis=1)
+    acc = part if acc is None else acc + part
+  return acc
+
+
+def _state_side_terms(refs, split, bv, mm, delta):
+  """The state-side inputs of grad_k for one K slice, as functions of the
+  row tile: (dO S^T, dU' S^T (KDA only, else None), X dH^T) and
+  sum_v dH * S [w].
+
+  split=False: refs = (do, [du,] x, s, dh) and the contractions over V are
+  done here (`_v_dot`); split=True: refs = (p_do, [p_du,] p_end, e), the
+  same contractions precomputed by `_state_side_kernel` [C, w] and [w]
+  fp32.
+  """
+  if split:
+    if delta:
+      p_do, p_du, p_end, e_ref = refs
+    else:
+      (p_do, p_end, e_ref), p_du = refs, None
+    rows = lambda ref: (lambda t: ref[_rows(t), :].astype(_F32))  # noqa: E731
+    return (rows(p_do), rows(p_du) if delta else None, rows(p_end),
+            e_ref[...].astype(_F32))
+  if delta:
+    do_ref, du_ref, x_ref, s_ref, dh_ref = refs
+  else:
+    (do_ref, x_ref, s_ref, dh_ref), du_ref = refs, None
+  v_dot = functools.partial(_v_dot, bv=bv, mm=mm)
+  return (lambda t: v_dot(do_ref, s_ref, t),
+          (lambda t: v_dot(du_ref, s_ref, t)) if delta else None,
+          lambda t: v_dot(x_ref, dh_ref, t),
+          _dh_dot_s(dh_ref, s_ref, bv))
+
+
+def _state_side_kernel(*refs, uses_dh, bv, mm):
+  # One chunk, one K block of width w: refs = x_1..x_m [C, V] (dO, dU',
+  # V' for KDA; dO, v for GLA), s_ref (state entering), dh_ref (grad of the
+  # state leaving) [w, V] (matmul dtype), then the outputs p_1..p_m [C, w]
+  # fp32 (p_i = x_i S^T, or x_i dH^T where uses_dh[i]) and e_ref [w] fp32
+  # (sum_v dH * S). Dense [C, bv] x [bv, w] dots over V blocks: the
+  # contractions over V that grad_k would otherwise redo per K slice in
+  # [16, V] tiles.
+  m = len(uses_dh)
+  xs, (s_ref, dh_ref), ps, e_ref = (refs[:m], refs[m:m + 2],
+                                    refs[m + 2:2 * m + 2], refs[-1])
+  accs, e = [None] * m, None
+  for cv in range(0, s_ref.shape[-1], bv):
+    cols = pl.ds(cv, bv)
+    s_blk, dh_blk = s_ref[:, cols], dh_ref[:, cols]
+    for i in range(m):
+      part = _dot(xs[i][:, cols], dh_blk if uses_dh[i] else s_blk, _NT, mm)
+      accs[i] = part if accs[i] is None else accs[i] + part
+    part = jnp.sum(dh_blk.astype(_F32) * s_blk.astype(_F32), axis=1)
+    e = part if e is None else e + part
+  for p_ref, acc in zip(ps, accs):
+    p_ref[...] = acc
+  e_ref[...] = e
+
+
+def _state_side_call(xs, uses_dh, states, dstates, lay, bk, num_warps,
+                     interpret, name):
+  """The state-side contractions of grad_k, precomputed: for each x in xs
+  ([B, Tp, H, V]) x S_n^T or x dH_n^T [B, Tp, H, Kp] fp32, and sum_v dH * S
+  [B, H, N, Kp] fp32. Grid (B, H, N, Kp/bk), parallel."""
+  kp, dv = lay["kp"], lay["dv"]
+  bk = min(kp, bk)
+  k_blk = _chunk_spec(bk, True)
+  state_blk = pl.BlockSpec((None, None, None, bk, dv),
+                           lambda b, h, n, j: (b, h, n, j, 0))
+  return pl.pallas_call(
+      functools.partial(_state_side_kernel, uses_dh=tuple(uses_dh),
+                        bv=lay["bv"], mm=lay["mm"]),
+      grid=(lay["bsz"], lay["h"], lay["n_chunks"], kp // bk),
+      in_specs=[_chunk_spec(dv)] * len(xs) + [state_blk, state_blk],
+      out_specs=[k_blk] * len(xs) + [pl.BlockSpec(
+          (None, None, None, bk), lambda b, h, n, j: (b, h, n, j))],
+      out_shape=[_shape_of(lay, "bsz", "tp", "h", "kp")] * len(xs)
+      + [_shape_of(lay, "bsz", "h", "n_chunks", "kp")],
+      compiler_params=_compiler_params(num_warps, 2),
+      interpret=interpret,
+      name=name,
+  )(*xs, states, dstates)
 
 
 def _store_key_side_grads(dq, dk, db, d_end, dq_ref, dk_ref, dg_ref, g_ref,

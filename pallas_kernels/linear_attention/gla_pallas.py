@@ -94,8 +94,8 @@ from pallas_kernels.linear_attention.chunk_common import (
     GMinError, _block_v, _chunk_layout, _chunk_spec, _compiler_params, _cumsum_tiles,
     _decay_tiles, _dot, _end_terms, _k_slice, _output_call, _pad,
     _pair_decay, _row_slice_scores, _rows, _shape_of, _square_spec,
-    _store_key_side_grads, _store_row, _tile, _tile_iota, _v_dot, check_dims,
-    check_g_min)
+    _state_side_call, _state_side_terms, _store_key_side_grads, _store_row,
+    _tile, _tile_iota, check_dims, check_g_min)
 
 __all__ = ["gla_pallas", "register", "Tuning", "DEFAULT_TUNING", "GMinError",
            "G_MIN_LOWEST", "CHUNK", "TILE", "MAX_DIM", "check_dims",
@@ -117,6 +117,11 @@ class Tuning:
   dv_warps: int = 4
   grad_k_warps: int = 4
   num_stages: int = 2
+  # The contractions over V (dO S^T, v dH^T, sum_v dH S) in a kernel of
+  # their own before grad_k (see kda_pallas.SPLIT_GRAD_K); untimed.
+  split_grad_k: bool = False
+  state_side_bk: int = 64
+  state_side_warps: int = 4
 
   def params(self, kernel):
     return _compiler_params(getattr(self, f"{kernel}_warps"), self.num_stages)
@@ -220,14 +225,18 @@ def _dv_kernel(aqk_ref, kg_ref, v_ref, do_ref, dh_ref, dv_ref, da_ref, *,
   da_ref[...] = (scale * jnp.where(row >= col, da, 0.0)).astype(da_ref.dtype)
 
 
-def _grad_k_kernel(q_ref, k_ref, b_ref, g_ref, do_ref, v_ref, da_ref, s_ref,
-                   dh_ref, dq_ref, dk_ref, dg_ref, *, scale, bv, bounded, mm,
-                   g_min):
-  # One K slice of one chunk. q_ref, k_ref, b_ref, g_ref (the caller's g,
-  # read only with g_min: the clamp's mask), dg_ref [C, w] fp32 (q, k in
-  # their dtype); dq_ref, dk_ref [C, w] in q's and k's dtype; do_ref, v_ref
-  # [C, V]; da_ref (dA, scale included) [C, C]; s_ref (state entering),
-  # dh_ref (grad of the state leaving) [w, V] in the matmul dtype.
+def _grad_k_kernel(*refs, scale, bv, bounded, mm, g_min, split):
+  # One K slice of one chunk. refs = (q, k, b, g, dA, *side, dq, dk, dg):
+  #   q_ref, k_ref, b_ref, g_ref (the caller's g, read only with g_min: the
+  #   clamp's mask) [C, w]; da_ref (dA, scale included) [C, C];
+  #   side: split=False: do_ref, v_ref [C, V] and s_ref (state entering),
+  #   dh_ref (grad of the state leaving) [w, V] in the matmul dtype;
+  #   split=True: dO S^T, v dH^T [C, w] and sum_v dH * S [w] (fp32, from
+  #   chunk_common's `_state_side_kernel`);
+  #   dq_ref, dk_ref [C, w] in q's and k's dtype; dg_ref [C, w] fp32.
+  (q_ref, k_ref, b_ref, g_ref, da_ref), side = refs[:5], refs[5:-3]
+  dq_ref, dk_ref, dg_ref = refs[-3:]
+  do_s, _, x_dh, dh_s = _state_side_terms(side, split, bv, mm, delta=False)
   row, col = _tile_iota()
   causal = row >= col
   w = q_ref.shape[-1]
@@ -236,10 +245,10 @@ def _grad_k_kernel(q_ref, k_ref, b_ref, g_ref, do_ref, v_ref, da_ref, s_ref,
   k_t = [k_ref[_rows(t), :].astype(_F32) for t in range(N_TILES)]
   # "-b" factors (the key side, k exp(-b)), starting with the chunk-end
   # terms through S_{n+1}; then "+b" factors (the query side) row by row.
-  dk, db_neg, d_end = _end_terms(v_ref, dh_ref, s_ref, k_t, b, b_last, bv, mm)
+  dk, db_neg, d_end = _end_terms(x_dh, dh_s, k_t, b, b_last)
   dq, db_pos = [None] * N_TILES, [None] * N_TILES
   for i in range(N_TILES):
-    dq_i = scale * _v_dot(do_ref, s_ref, i, bv=bv, mm=mm) * jnp.exp(b[i])
+    dq_i = scale * do_s(i) * jnp.exp(b[i])
     db_i = q_t[i] * dq_i
     x_scale = jnp.exp(b[i] - c[i])                            # <= 1
     q_dec = (q_t[i] * x_scale).astype(mm)
@@ -377,18 +386,27 @@ def _grad_k_call(qp, kp_, bp, gp, dop, vp, da, states, dstates, lay, scale,
                  bounded, g_min, tune, interpret):
   """Kernel 6: dq, dk [B, Tp, H, Kp] in q's and k's dtype, dg fp32. With
   g_min, dg is zero where gp (the caller's g, padded) < g_min; gp is not
-  read otherwise (pass any [B, Tp, H, Kp] array)."""
+  read otherwise (pass any [B, Tp, H, Kp] array). With tune.split_grad_k
+  the contractions over V run first in chunk_common's state-side kernel."""
   bk, dv = lay["bk"], lay["dv"]
   k_slice = _chunk_spec(bk, True)
-  state_slice = pl.BlockSpec((None, None, None, bk, dv),
-                             lambda b, h, n, j: (b, h, n, j, 0))
+  if tune.split_grad_k:
+    side = _state_side_call([dop, vp], (False, True), states, dstates, lay,
+                            tune.state_side_bk, tune.state_side_warps,
+                            interpret, "gla_chunk_state_side")
+    side_specs = [k_slice] * 2 + [pl.BlockSpec(
+        (None, None, None, bk), lambda b, h, n, j: (b, h, n, j))]
+  else:
+    side = (dop, vp, states, dstates)
+    state_slice = pl.BlockSpec((None, None, None, bk, dv),
+                               lambda b, h, n, j: (b, h, n, j, 0))
+    side_specs = [_chunk_spec(dv)] * 2 + [state_slice] * 2
   return pl.pallas_call(
       functools.partial(_grad_k_kernel, scale=scale,
                         bv=_block_v(dv, tune.grad_bv), bounded=bounded,
-                        mm=lay["mm"], g_min=g_min),
+                        mm=lay["mm"], g_min=g_min, split=tune.split_grad_k),
       grid=(lay["bsz"], lay["h"], lay["n_chunks"], lay["kp"] // bk),
-      in_specs=[k_slice] * 4 + [_chunk_spec(dv), _chunk_spec(dv),
-                                _square_spec(), state_slice, state_slice],
+      in_specs=[k_slice] * 4 + [_square_spec()] + side_specs,
       out_specs=[k_slice] * 3,
       out_shape=[_shape_of(lay, "bsz", "tp", "h", "kp", dtype=qp.dtype),
                  _shape_of(lay, "bsz", "tp", "h", "kp", dtype=kp_.dtype),
@@ -396,7 +414,7 @@ def _grad_k_call(qp, kp_, bp, gp, dop, vp, da, states, dstates, lay, scale,
       compiler_params=tune.params("grad_k"),
       interpret=interpret,
       name="gla_chunk_grad_k",
-  )(qp, kp_, bp, gp, dop, vp, da, states, dstates)
+  )(qp, kp_, bp, gp, da, *side)
 
 
 _STATIC = ("scale", "bounded", "g_min", "tune", "interpret")
@@ -497,11 +515,15 @@ def gla_pallas(q, k, v, g, *, scale, initial_state, chunk_size, g_min,
     check_g_min(g_min)
   if not isinstance(tune, Tuning):
     raise ValueError(f"tune must be a gla_pallas.Tuning, got {tune!r}")
-  for name in ("block_k", "pass_bk", "pass_bv", "bv", "grad_bv"):
+  for name in ("block_k", "pass_bk", "pass_bv", "bv", "grad_bv",
+               "state_side_bk"):
     size = getattr(tune, name)
     if size < TILE or size & (size - 1):
       raise ValueError(f"tune.{name} must be a power of two >= {TILE}, got "
                        f"{size!r}")
+  if not isinstance(tune.split_grad_k, bool):
+    raise ValueError(f"tune.split_grad_k must be True or False, got "
+                     f"{tune.split_grad_k!r}")
   bsz, _, h, dk = q.shape
   dv = v.shape[-1]
   scale = float(dk) ** -0.5 if scale is None else float(scale)

@@ -180,7 +180,8 @@ from pallas_kernels.linear_attention.chunk_common import (
     _block_v, _chunk_spec, _compiler_params, _cumsum_tiles, _decay_tiles,
     _dot, _k_slice, _output_call, _pad, _pair_decay, _rows,
     _row_slice_scores, _shape_of, _square_spec, _store_row,
-    _tile_iota, check_dims, check_g_min, _tile, _v_dot, _end_terms,
+    _tile_iota, check_dims, check_g_min, _tile, _end_terms,
+    _state_side_terms, _state_side_call,
     _store_key_side_grads, _chunk_layout)
 from pallas_kernels.linear_attention.reference import chunk_kda_ref
 # K slice width of the bounded path. Narrow slices bound the live [16, bk]
@@ -212,7 +213,17 @@ BLOCK_V_PASS = 16
 #   bounded 2.92 / 2.35 / 4.31 ms at 2 / 4 / 8 warps; unbounded 5.96 / 6.47
 #   at 2 / 4.
 NUM_WARPS = dict(intra=4, state=8, output=4, dv_intra=2, dstate=8, grad_v=4,
-                 grad_k=4)
+                 grad_k=4, state_side=8)   # state_side: 129 regs, no
+# spill at 8 warps; 255 regs and 40 B of stack at 4 (kernel_resources).
+# The backward's contractions over V (dO S^T, dU' S^T, V' dH^T, sum_v dH S)
+# inside grad_k, per K slice in [16, V] tiles (False), or first in a kernel
+# of their own with dense [C, bv] x [bv, BLOCK_K_STATE_SIDE] dots, read by
+# grad_k as fp32 [C, w] slices (True). grad_k is the largest kernel (4.2 ms
+# of ~10 at B1 T32768, 255 registers): the split takes its V loops and
+# their [16, V] operands out, for ~1.6 GB of fp32 traffic (write + read) at
+# that shape. Untimed (session 16: no device); False until measured.
+SPLIT_GRAD_K = False
+BLOCK_K_STATE_SIDE = 64
 NUM_STAGES = 2
 
 __all__ = ["kda_pallas", "register", "GMinError", "G_MIN_LOWEST"]
@@ -441,17 +452,23 @@ def _grad_v_kernel(m_ref, lk_ref, beta_ref, v_ref, do_ref, vn_ref, dvn_ref,
   da_ref[...] = (scale * jnp.where(row >= col, da, 0.0)).astype(da_ref.dtype)
 
 
-def _grad_k_kernel(q_ref, k_ref, b_ref, g_ref, beta_ref, do_ref, vn_ref,
-                   du_ref, da_ref, dlk_ref, s_ref, dh_ref, dq_ref, dk_ref,
-                   dg_ref, dbeta_ref, *, scale, bv, bounded, mm, g_min):
-  # One K slice of one chunk. q_ref, k_ref, b_ref, g_ref (the caller's g,
-  # read only with g_min: the clamp's zero-gradient mask), dg_ref [C, w]
-  # fp32; dq_ref, dk_ref [C, w] in q's and k's dtype (cast once, here, not
-  # by an XLA pass); beta_ref, dbeta_ref [C] (dbeta: this slice's part); do_ref,
-  # vn_ref (V') [C, V]; du_ref (dU') [C, V] matmul dtype; da_ref (dAqk),
-  # dlk_ref (dLk) [C, C] (matmul dtype bounded, fp32 unbounded); s_ref
-  # (state entering), dh_ref (grad of the state leaving) [w, V] in the
-  # matmul dtype.
+def _grad_k_kernel(*refs, scale, bv, bounded, mm, g_min, split):
+  # One K slice of one chunk. refs = (q, k, b, g, beta, dAqk, dLk, *side,
+  # dq, dk, dg, dbeta):
+  #   q_ref, k_ref, b_ref, g_ref (the caller's g, read only with g_min: the
+  #   clamp's zero-gradient mask) [C, w]; beta_ref [C]; da_ref (dAqk),
+  #   dlk_ref (dLk) [C, C] (matmul dtype bounded, fp32 unbounded);
+  #   side: split=False: do_ref, du_ref (dU', matmul dtype), vn_ref (V')
+  #   [C, V] and s_ref (state entering), dh_ref (grad of the state leaving)
+  #   [w, V] in the matmul dtype; split=True: their contractions over V,
+  #   dO S^T, dU' S^T, V' dH^T [C, w] and sum_v dH * S [w] (fp32, from
+  #   `_state_side_kernel`);
+  #   dq_ref, dk_ref [C, w] in q's and k's dtype (cast here, not by an XLA
+  #   pass); dg_ref [C, w] fp32; dbeta_ref [C] fp32 (this slice's part).
+  (q_ref, k_ref, b_ref, g_ref, beta_ref, da_ref, dlk_ref), side = (
+      refs[:7], refs[7:-4])
+  dq_ref, dk_ref, dg_ref, dbeta_ref = refs[-4:]
+  do_s, du_s, x_dh, dh_s = _state_side_terms(side, split, bv, mm, delta=True)
   row, col = _tile_iota()
   causal = row >= col
   beta_t = _beta_tiles(beta_ref)
@@ -459,8 +476,6 @@ def _grad_k_kernel(q_ref, k_ref, b_ref, g_ref, beta_ref, do_ref, vn_ref,
   b, c, b_last = _decay_tiles(b_ref, pl.ds(0, w))
   q_t = [q_ref[_rows(t), :].astype(_F32) for t in range(N_TILES)]
   k_t = [k_ref[_rows(t), :].astype(_F32) for t in range(N_TILES)]
-
-  v_dot = functools.partial(_v_dot, bv=bv, mm=mm)
 
   # dL/db = q dq + k (dk_+b - dk_-b), formed term by term: a tile pair's
   # contribution to the query side and to the key side is multiplied by the
@@ -472,12 +487,11 @@ def _grad_k_kernel(q_ref, k_ref, b_ref, g_ref, beta_ref, do_ref, vn_ref,
   dq, dk_pos = [None] * N_TILES, [None] * N_TILES   # "+b" factors
   db_pos, dbeta = [None] * N_TILES, [None] * N_TILES
   # "-b" factors, starting with the chunk-end terms (S_{n+1} through V').
-  dk_neg, db_neg, d_end = _end_terms(vn_ref, dh_ref, s_ref, k_t, b, b_last,
-                                     bv, mm)
+  dk_neg, db_neg, d_end = _end_terms(x_dh, dh_s, k_t, b, b_last)
   for i in range(N_TILES):
     eb = jnp.exp(b[i])
-    dq_i = scale * v_dot(do_ref, s_ref, i) * eb               # (q exp(b)) S
-    d_rk = -v_dot(du_ref, s_ref, i)                           # dR_k rows
+    dq_i = scale * do_s(i) * eb                               # (q exp(b)) S
+    d_rk = -du_s(i)                                           # dR_k rows
     k_eb = k_t[i] * eb
     dbeta[i] = jnp.sum(d_rk * k_eb, axis=1)
     dk_i = beta_t[i] * d_rk * eb
@@ -704,24 +718,37 @@ def _grad_v_call(m, lk, betap, vp, dop, v_new, dv_new, lay, scale, dtype,
 
 
 def _grad_k_call(qp, kp_, bp, betap, dop, v_new, du, da, dlk, states,
-                 dstates, lay, scale, bounded, interpret, gp=None, g_min=None):
+                 dstates, lay, scale, bounded, interpret, gp=None, g_min=None,
+                 split=False):
   """Per chunk and K slice: dq, dk [B, Tp, H, Kp] in q's and k's dtype, dg
   [B, Tp, H, Kp] fp32 and the slice's part of dbeta [K slices, B, H, Tp]
-  fp32. With g_min, dg is zero where gp (the caller's g, padded) < g_min."""
+  fp32. With g_min, dg is zero where gp (the caller's g, padded) < g_min.
+  split: the contractions over V (dO S^T, dU' S^T, V' dH^T, sum_v dH * S)
+  run first in a kernel of their own (`_state_side_kernel`, dense dots),
+  and grad_k reads them instead of redoing them per K slice."""
   if g_min is None:
     gp = bp   # a placeholder: the kernel reads g only with g_min
   bk, dv, nk = lay["bk"], lay["dv"], lay["kp"] // lay["bk"]
   k_slice = _chunk_spec(bk, True)
-  state_slice = pl.BlockSpec((None, None, None, bk, dv),
-                             lambda b, h, n, j: (b, h, n, j, 0))
+  if split:
+    side = _state_side_call([dop, du, v_new], (False, False, True), states,
+                            dstates, lay, BLOCK_K_STATE_SIDE,
+                            NUM_WARPS["state_side"], interpret,
+                            "kda_chunk_state_side")
+    side_specs = [k_slice] * 3 + [pl.BlockSpec(
+        (None, None, None, bk), lambda b, h, n, j: (b, h, n, j))]
+  else:
+    side = (dop, du, v_new, states, dstates)
+    state_slice = pl.BlockSpec((None, None, None, bk, dv),
+                               lambda b, h, n, j: (b, h, n, j, 0))
+    side_specs = [_chunk_spec(dv)] * 3 + [state_slice] * 2
   return pl.pallas_call(
       functools.partial(_grad_k_kernel, scale=scale,
                         bv=_block_v(dv, cap=128), bounded=bounded,
-                        mm=lay["mm"], g_min=g_min),
+                        mm=lay["mm"], g_min=g_min, split=split),
       grid=(lay["bsz"], lay["h"], lay["n_chunks"], nk),
-      in_specs=[k_slice] * 4 + [_beta_spec(), _chunk_spec(dv),
-                _chunk_spec(dv), _chunk_spec(dv), _square_spec(),
-                _square_spec(), state_slice, state_slice],
+      in_specs=[k_slice] * 4 + [_beta_spec(), _square_spec(), _square_spec()]
+      + side_specs,
       out_specs=[k_slice, k_slice, k_slice,
                  pl.BlockSpec((None, None, None, CHUNK),
                               lambda b, h, n, j: (j, b, h, n))],
@@ -733,15 +760,15 @@ def _grad_k_call(qp, kp_, bp, betap, dop, v_new, du, da, dlk, states,
       compiler_params=_params("grad_k"),
       interpret=interpret,
       name="kda_chunk_grad_k",
-  )(qp, kp_, bp, gp, betap, dop, v_new, du, da, dlk, states, dstates)
+  )(qp, kp_, bp, gp, betap, da, dlk, *side)
 
 
-_STATIC = ("scale", "block_k", "bounded", "interpret", "g_min")
+_STATIC = ("scale", "block_k", "bounded", "interpret", "g_min", "split")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("for_backward",))
 def _kda_fwd_impl(q, k, v, g, beta, s0, *, scale, block_k, bounded,
-                  interpret, g_min, for_backward=False):
+                  interpret, g_min, split, for_backward=False):
   """q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; s0 [B, H, K, V].
 
   The kernels read the caller's [B, T, H, D] layout (no transposes); beta is
@@ -749,8 +776,9 @@ def _kda_fwd_impl(q, k, v, g, beta, s0, *, scale, block_k, bounded,
   for_backward, also returns the residuals: the intra kernel's outputs W, U,
   Aqk, qg, kg, ec, b, M, Lk (O(T (4 K + V + 3 C)), about twice the size of
   the inputs). With g_min (a float), g is clamped to it inside the intra
-  kernel; None: no clamp.
+  kernel; None: no clamp. split is the backward's option (unused here).
   """
+  del split
   lay = _layout(q, v, block_k)
   qp, kp_, vp, gp, betap, s0p = _prepare(q, k, v, g, beta, s0, lay)
   intra = _intra_call(qp, kp_, gp, betap, vp, lay, bounded, interpret,
@@ -767,7 +795,7 @@ def _kda_fwd_impl(q, k, v, g, beta, s0, *, scale, block_k, bounded,
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _kda_bwd_impl(q, k, v, beta, s0, intra, g, do, ds_final, *,
-                  scale, block_k, bounded, interpret, g_min):
+                  scale, block_k, bounded, interpret, g_min, split):
   """(dq, dk, dv, dg, dbeta, ds0) given do [B,T,H,V], ds_final [B,H,K,V] and
   the forward's residuals (the intra kernel's outputs, and g [B,T,H,K] when
   g_min clamps it: dg is zero where g < g_min; else g is None)."""
@@ -791,43 +819,46 @@ def _kda_bwd_impl(q, k, v, beta, s0, intra, g, do, ds_final, *,
   gp = None if g_min is None else _pad(g.astype(_F32), tp, kp)
   dq, dk_, dg, dbeta_k = _grad_k_call(qp, kp_, bp, betap, dop, v_new, du, da,
                                       dlk, states, dstates, lay, scale,
-                                      bounded, interpret, gp, g_min)
+                                      bounded, interpret, gp, g_min, split)
   dbeta = jnp.transpose(dbeta_v + jnp.sum(dbeta_k, axis=0), (0, 2, 1))[:, :t]
   # dq, dk come in q's and k's dtype from grad_k (no XLA convert pass).
   dq, dk_, dg = (x[:, :t, :, :dk] for x in (dq, dk_, dg))
   return (dq, dk_, dvp[:, :t], dg, dbeta.astype(beta.dtype), ds0[:, :, :dk])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
 def _kda_pallas_vjp(q, k, v, g, beta, s0, scale, block_k, bounded, interpret,
-                    g_min):
+                    g_min, split):
   return _kda_fwd_impl(q, k, v, g, beta, s0, scale=scale, block_k=block_k,
-                       bounded=bounded, interpret=interpret, g_min=g_min)
+                       bounded=bounded, interpret=interpret, g_min=g_min,
+                       split=split)
 
 
-def _vjp_fwd(q, k, v, g, beta, s0, scale, block_k, bounded, interpret, g_min):
+def _vjp_fwd(q, k, v, g, beta, s0, scale, block_k, bounded, interpret, g_min,
+             split):
   # The forward keeps what its intra kernel built (b, W, U, Aqk, M, Lk, qg,
   # kg, ec): the backward does not re-run that kernel (H200, B1 T32768 H16
   # D128: 3.6 ms). g itself only when the clamp needs its mask.
   out, intra = _kda_fwd_impl(
       q, k, v, g, beta, s0, scale=scale, block_k=block_k, bounded=bounded,
-      interpret=interpret, g_min=g_min, for_backward=True)
+      interpret=interpret, g_min=g_min, split=split, for_backward=True)
   return out, (q, k, v, beta, s0, intra, None if g_min is None else g)
 
 
-def _vjp_bwd(scale, block_k, bounded, interpret, g_min, res, cts):
+def _vjp_bwd(scale, block_k, bounded, interpret, g_min, split, res, cts):
   q, k, v, beta, s0, intra, g = res
   do, ds_final = cts
   return _kda_bwd_impl(q, k, v, beta, s0, intra, g, do, ds_final,
                        scale=scale, block_k=block_k, bounded=bounded,
-                       interpret=interpret, g_min=g_min)
+                       interpret=interpret, g_min=g_min, split=split)
 
 
 _kda_pallas_vjp.defvjp(_vjp_fwd, _vjp_bwd)
 
 
 def kda_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min,
-               interpret=False, bounded=None, block_k=None):
+               interpret=False, bounded=None, block_k=None,
+               split_grad_k=None):
   """Chunked KDA, forward and backward as Pallas kernels (jax.custom_vjp).
 
   Args:
@@ -843,6 +874,9 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min,
     bounded: force the path (default: bounded iff g_min is given).
     block_k: K slice width inside the chunk kernels (a power of two >= 16;
       default 32 on both paths).
+    split_grad_k: run the backward's contractions over V in a kernel of
+      their own before grad_k (default SPLIT_GRAD_K; an ablation knob until
+      timed on a card, results/kernels.md session 16).
   Returns:
     o [B, T, H, V] in v.dtype, final state [B, H, K, V] fp32.
   """
@@ -868,9 +902,13 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min,
   # XLA passes over [B, T, H, K] fp32 (net ~1.1 GB less traffic at B1
   # T32768 H16 K128, grad_k's extra read of g counted; session 16, untimed).
   clamp = float(g_min) if bounded else None
+  split = SPLIT_GRAD_K if split_grad_k is None else split_grad_k
+  if not isinstance(split, bool):
+    raise ValueError(f"split_grad_k must be None, True or False, got "
+                     f"{split_grad_k!r}")
   return _kda_pallas_vjp(q, k, v, g.astype(_F32), beta,
                          initial_state.astype(_F32), scale, int(block_k),
-                         bool(bounded), bool(interpret), clamp)
+                         bool(bounded), bool(interpret), clamp, split)
 
 
 def register():

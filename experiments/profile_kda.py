@@ -160,6 +160,14 @@ def main(argv):
           f"--set_warps: bad entry {pair!r}; expected kernel:N with kernel "
           f"one of {', '.join(orig_warps)}")
     overrides[name] = int(n)
+  for cfg in _CONFIGS.value:
+    path, _, rest = cfg.partition(":")
+    block_k, _, opt = rest.partition(":")
+    if (path not in ("bounded", "unbounded") or not block_k.isdigit()
+        or opt not in ("", "split")):
+      raise app.UsageError(f"--configs: bad entry {cfg!r}; expected "
+                           "path:block_k[:split] with path bounded or "
+                           "unbounded")
   os.makedirs(_OUT.value, exist_ok=True)
   print(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}  "
         f"B={_B.value} T={_T.value} H={_H.value} D={_D.value} bf16")
@@ -176,9 +184,6 @@ def main(argv):
     jax.clear_caches()  # the jitted kernels read these when traced
     for cfg in _CONFIGS.value:
       path, block_k, *opt = cfg.split(":")
-      if path not in ("bounded", "unbounded") or opt not in ([], ["split"]):
-        raise app.UsageError(f"--configs: bad entry {cfg!r}; expected "
-                             "path:block_k[:split], path bounded|unbounded")
       name = (f"{path} block_k={block_k}{' split' if opt else ''} "
               f"warps={warps or 'default'}"
               f"{' ' + ','.join(_SET_WARPS.value) if overrides else ''} "

@@ -1,8 +1,10 @@
 """The GPU experiment scripts refuse bad flags before anything compiles, and
-profile_kda runs end to end in interpret mode on a tiny shape (CPU)."""
+profile_kda and ab_kernels run end to end in interpret mode on a tiny shape
+(CPU)."""
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -27,6 +29,12 @@ def _run(*args):
      "intra, state, output, dv_intra, dstate, grad_v, grad_k"),
     (("experiments.profile_kda", "--set_warps=grad_k:eight"), "--set_warps",
      "expected kernel:N"),
+    (("experiments.profile_kda", "--configs=bounded:32:fused"), "--configs",
+     "path:block_k[:split]"),
+    (("experiments.ab_kernels", "--versions=kda:v2"), "--versions",
+     "version main, main+split or a path to a .py file"),
+    (("experiments.ab_kernels", "--versions=gla:/no/such/gla.py"),
+     "--versions", "no such file"),
 ])
 def test_bad_flag_names_the_flag_and_the_allowed_values(args, flag, allowed):
   res = _run(*args)
@@ -43,3 +51,20 @@ def test_profile_kda_interpret_smoke(tmp_path):
   assert "state:4" in row["config"]
   assert len(row["ms"]) == 10   # 7 kernels, the XLA pads and two totals
   assert all(math.isfinite(ms) and ms > 0 for ms in row["ms"].values())
+
+
+def test_ab_kernels_interpret_smoke(tmp_path):
+  # An older copy of a kernel module is given as a file (here: a copy of
+  # the current one) and timed beside the working tree's, split or not.
+  copy = tmp_path / "gla_copy.py"
+  shutil.copy(os.path.join(_ROOT, "pallas_kernels", "linear_attention",
+                           "gla_pallas.py"), copy)
+  res = _run("experiments.ab_kernels", "--interpret", "--shapes=1x80",
+             "--iters=1", f"--versions=gla:{copy},gla:main+split",
+             f"--out={tmp_path}")
+  assert res.returncode == 0, res.stderr[-2000:]
+  rows = [json.loads(line) for line in open(tmp_path / "rows.jsonl")]
+  assert [r["version"] for r in rows] == [f"gla:{copy}", "gla:main+split"]
+  assert all(math.isfinite(r["fwd_bwd_ms"]) and r["fwd_bwd_ms"] > 0
+             for r in rows)
+  assert (tmp_path / "ab.md").exists()

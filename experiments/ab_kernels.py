@@ -1,0 +1,178 @@
+r"""Versions of a kernel module timed side by side, in one process (GPU).
+
+Call-to-call noise on the device machines is +-15% (results/kernels.md), so
+a change is judged against the version before it in the SAME process, on
+the same inputs. A version is the working tree's module ("main"), the same
+with the split backward ("main+split": kda_pallas split_grad_k / gla_pallas
+Tuning.split_grad_k), or any file holding an older copy of the module,
+e.g. one taken from git before the device call:
+
+  git show 8206e6d:pallas_kernels/linear_attention/kda_pallas.py \
+      > /tmp/kda_8206e6d.py
+  PYTHONPATH=. python -m experiments.ab_kernels \
+      --versions=kda:/tmp/kda_8206e6d.py,kda:main,kda:main+split \
+      --shapes=1x32768,8x8192 --out=/tmp/ab
+
+Each version is timed like bench_kernels times the public op (bf16 q, k, v,
+do; fp32 g in [-5, 0); bounded path, g_min = -5): a jit of the forward
+returning o, and a jit of jax.vjp returning o and the input gradients;
+median of --iters calls after two warm-up calls. Rows go to OUT/rows.jsonl
+as they come (partial results survive a timeout) and to a markdown table.
+--interpret runs the kernels in interpret mode on small heads (a CPU smoke
+test; its milliseconds mean nothing).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import sys
+import time
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_VERSIONS = flags.DEFINE_list(
+    "versions", ["kda:main", "kda:main+split", "gla:main", "gla:main+split"],
+    "op:version entries: op kda|gla; version main, main+split, or a path to "
+    "a .py copy of the op's kernel module.")
+_SHAPES = flags.DEFINE_list("shapes", ["1x32768", "8x8192"], "BxT shapes.")
+_ITERS = flags.DEFINE_integer("iters", 10, "Timed calls (median).")
+_OUT = flags.DEFINE_string("out", "/tmp/ab_kernels", "Output folder.")
+_INTERPRET = flags.DEFINE_bool("interpret", False,
+                               "Interpret mode, H=2 D=32 (CPU smoke test).")
+
+G_MIN = -5.0
+OPS = ("kda", "gla")
+
+
+def parse_versions(entries):
+  """[(label, op, module source, split)]; raises app.UsageError on a bad
+  entry, naming the flag and the allowed values."""
+  out = []
+  for entry in entries:
+    op, _, version = entry.partition(":")
+    name, _, variant = version.partition("+")
+    ok = (op in OPS and variant in ("", "split")
+          and (name == "main" or (name.endswith(".py") and not variant)))
+    if not ok:
+      raise app.UsageError(
+          f"--versions: bad entry {entry!r}; expected op:version with op one "
+          f"of {', '.join(OPS)} and version main, main+split or a path to a "
+          ".py file")
+    if name != "main" and not os.path.isfile(name):
+      raise app.UsageError(f"--versions: no such file {name!r} in {entry!r}")
+    out.append((entry, op, name, variant == "split"))
+  return out
+
+
+def load_module(op, source):
+  if source == "main":
+    return importlib.import_module(f"pallas_kernels.linear_attention.{op}_pallas")
+  mod_name = "ab_" + os.path.splitext(os.path.basename(source))[0]
+  spec = importlib.util.spec_from_file_location(mod_name, source)
+  mod = importlib.util.module_from_spec(spec)
+  sys.modules[mod_name] = mod   # dataclasses look their module up here
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def make_inputs(bsz, t, h, d, seed=0):
+  keys = jax.random.split(jax.random.PRNGKey(seed), 6)
+  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+  bf = lambda x: x.astype(jnp.bfloat16)  # noqa: E731
+  return dict(
+      q=bf(jax.random.normal(keys[0], (bsz, t, h, d))),
+      k=bf(unit(jax.random.normal(keys[1], (bsz, t, h, d)))),
+      v=bf(jax.random.normal(keys[2], (bsz, t, h, d))),
+      g=G_MIN * jax.nn.sigmoid(
+          2.0 * jax.random.normal(keys[3], (bsz, t, h, d)) - 1.0),
+      beta=bf(jax.nn.sigmoid(jax.random.normal(keys[4], (bsz, t, h)))),
+      do=bf(jax.random.normal(keys[5], (bsz, t, h, d))))
+
+
+def jitted_fns(op, mod, split, interpret):
+  """(fwd, fwd_bwd) jits of the module's op on the bounded path."""
+  names = ("q", "k", "v", "g", "beta") if op == "kda" else ("q", "k", "v", "g")
+  impl = mod.kda_pallas if op == "kda" else mod.gla_pallas
+  kw = dict(scale=None, initial_state=None, chunk_size=64, g_min=G_MIN)
+  if interpret:
+    kw["interpret"] = True
+  if split:
+    if op == "kda":
+      kw["split_grad_k"] = True
+    else:
+      kw["tune"] = mod.Tuning(split_grad_k=True)
+  call = lambda d: impl(*[d[n] for n in names], **kw)[0]  # noqa: E731
+
+  def fwd_bwd(x):
+    o, vjp = jax.vjp(call, {n: x[n] for n in names})
+    return o, vjp(x["do"])
+
+  return jax.jit(call), jax.jit(fwd_bwd)
+
+
+def median_ms(fn, iters):
+  fn()
+  fn()
+  times = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - t0)
+  return 1e3 * float(np.median(times))
+
+
+def main(argv):
+  del argv
+  versions = parse_versions(_VERSIONS.value)
+  shapes = []
+  for s in _SHAPES.value:
+    b, _, t = s.partition("x")
+    if not (b.isdigit() and t.isdigit()):
+      raise app.UsageError(f"--shapes: bad entry {s!r}; expected BxT")
+    shapes.append((int(b), int(t)))
+  h, d = (2, 32) if _INTERPRET.value else (16, 128)
+  os.makedirs(_OUT.value, exist_ok=True)
+  dev = jax.devices()[0]
+  print(f"device: {dev.device_kind}, jax {jax.__version__}, H={h} D={d} bf16",
+        flush=True)
+  md = [f"device: {dev.device_kind}, jax {jax.__version__}, H={h} D={d} "
+        "bf16, bounded (g_min = -5)", "",
+        "| version | B | T | fwd ms | fwd+bwd ms | first call s |",
+        "|---|---|---|---|---|---|"]
+  for bsz, t in shapes:
+    x = make_inputs(bsz, t, h, d)
+    for label, op, source, split in versions:
+      try:
+        fwd, fwd_bwd = jitted_fns(op, load_module(op, source), split,
+                                  _INTERPRET.value)
+        t0 = time.perf_counter()
+        jax.block_until_ready(fwd_bwd(x))
+        first = time.perf_counter() - t0
+        ms = [median_ms(lambda f=f: jax.block_until_ready(f(x)), _ITERS.value)
+              for f in (fwd, fwd_bwd)]
+      except Exception as e:  # pylint: disable=broad-except
+        print(f"{label} B={bsz} T={t} failed: {type(e).__name__}: "
+              f"{str(e)[:1500]}", flush=True)
+        continue
+      finally:
+        jax.clear_caches()
+      row = dict(version=label, B=bsz, T=t, fwd_ms=ms[0], fwd_bwd_ms=ms[1],
+                 first_call_s=first, device=dev.device_kind)
+      with open(os.path.join(_OUT.value, "rows.jsonl"), "a") as fh:
+        fh.write(json.dumps(row) + "\n")
+      md.append(f"| {label} | {bsz} | {t} | {ms[0]:.3f} | {ms[1]:.3f} | "
+                f"{first:.0f} |")
+      print(f"{label:<40} B={bsz} T={t:>6}  fwd {ms[0]:8.3f} ms  fwd+bwd "
+            f"{ms[1]:8.3f} ms  (first call {first:.0f} s)", flush=True)
+  with open(os.path.join(_OUT.value, "ab.md"), "w") as fh:
+    fh.write("\n".join(md) + "\n")
+  print("\n".join(md))
+
+
+if __name__ == "__main__":
+  app.run(main)

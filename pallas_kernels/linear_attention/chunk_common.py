@@ -195,6 +195,31 @@ def _row_slice_scores(i, xs, y_t, b, c, mask, bounded, mm):
   return outs
 
 
+def _row_slice_operands(i, cols, q_ref, k_ref, g_ref, g_min, b_ref, qg_ref,
+                        kg_ref, ec_ref):
+  """The intra kernels' per-(row tile i, K slice) loads and decay stores.
+
+  Computes b for tiles 0..i (clamped g, `_cumsum_tiles`) and stores what
+  the later kernels need of it: b itself (b_ref, for the backward, or None),
+  q exp(b) for row tile i, and on the last row tile, where b_C is known,
+  k exp(b_C - b) and exp(b_C) (in the refs' dtypes: the matmul dtype the
+  dots cast them to, and fp32). Returns (b, c, k_t, q_i): b and anchors c
+  of tiles 0..i, the key tiles 0..i and query tile i, [16, w] fp32.
+  """
+  b, c, b_end = _cumsum_tiles(g_ref, cols, i + 1, g_min)
+  k_t = [k_ref[_rows(t), cols].astype(_F32) for t in range(i + 1)]
+  q_i = q_ref[_rows(i), cols].astype(_F32)
+  if b_ref is not None:
+    b_ref[_rows(i), cols] = b[i]
+  qg_ref[_rows(i), cols] = (q_i * jnp.exp(b[i])).astype(qg_ref.dtype)
+  if i == N_TILES - 1:
+    for t in range(N_TILES):
+      kg_ref[_rows(t), cols] = (
+          k_t[t] * jnp.exp(b_end[None, :] - b[t])).astype(kg_ref.dtype)
+    ec_ref[cols] = jnp.exp(b_end)
+  return b, c, k_t, q_i
+
+
 def _k_slice(kk, bk):
   """Columns of K slice kk (a traced loop index) of width bk."""
   return pl.ds(pl.multiple_of(kk * bk, bk), bk)

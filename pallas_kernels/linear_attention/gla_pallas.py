@@ -91,11 +91,11 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.linear_attention.chunk_common import (
     CHUNK, G_MIN_LOWEST, MAX_DIM, N_TILES, TILE, _F32, _NN, _NT, _TN,
-    GMinError, _block_v, _chunk_layout, _chunk_spec, _compiler_params, _cumsum_tiles,
+    GMinError, _block_v, _chunk_layout, _chunk_spec, _compiler_params,
     _decay_tiles, _dot, _end_terms, _k_slice, _output_call, _pad,
     _pair_decay, _row_slice_scores, _rows, _shape_of, _square_spec,
     _state_side_call, _state_side_terms, _store_key_side_grads, _store_row,
-    _tile, _tile_iota, check_dims, check_g_min)
+    _row_slice_operands, _tile, _tile_iota, check_dims, check_g_min)
 
 __all__ = ["gla_pallas", "register", "Tuning", "DEFAULT_TUNING", "GMinError",
            "G_MIN_LOWEST", "CHUNK", "TILE", "MAX_DIM", "check_dims",
@@ -153,17 +153,9 @@ def _intra_kernel(q_ref, k_ref, g_ref, aqk_ref, qg_ref, kg_ref, ec_ref,
 
     def row_body(kk, acc, i=i):
       cols = _k_slice(kk, bk)
-      b, c, b_end = _cumsum_tiles(g_ref, cols, i + 1, g_min)
-      k_t = [k_ref[_rows(t), cols].astype(_F32) for t in range(i + 1)]
-      q_i = q_ref[_rows(i), cols].astype(_F32)
-      if b_ref is not None:
-        b_ref[_rows(i), cols] = b[i]
-      qg_ref[_rows(i), cols] = (q_i * jnp.exp(b[i])).astype(qg_ref.dtype)
-      if i == N_TILES - 1:   # b_C is known on the last row tile
-        for t in range(N_TILES):
-          kg_ref[_rows(t), cols] = (
-              k_t[t] * jnp.exp(b_end[None, :] - b[t])).astype(kg_ref.dtype)
-        ec_ref[cols] = jnp.exp(b_end)
+      b, c, k_t, q_i = _row_slice_operands(i, cols, q_ref, k_ref, g_ref,
+                                           g_min, b_ref, qg_ref, kg_ref,
+                                           ec_ref)
       [scores] = _row_slice_scores(i, [q_i], k_t, b, c, causal, bounded, mm)
       return tuple(a + p for a, p in zip(acc, scores))
 

@@ -181,7 +181,7 @@ from pallas_kernels.linear_attention.chunk_common import (
     _dot, _k_slice, _output_call, _pad, _pair_decay, _rows,
     _row_slice_scores, _shape_of, _square_spec, _store_row,
     _tile_iota, check_dims, check_g_min, _tile, _end_terms,
-    _state_side_terms, _state_side_call,
+    _state_side_terms, _state_side_call, _row_slice_operands,
     _store_key_side_grads, _chunk_layout)
 from pallas_kernels.linear_attention.reference import chunk_kda_ref
 # K slice width of the bounded path. Narrow slices bound the live [16, bk]
@@ -309,20 +309,11 @@ def _intra_kernel(q_ref, k_ref, g_ref, beta_ref, v_ref, w_ref, u_ref,
 
     def row_body(kk, acc, i=i):
       cols = _k_slice(kk, bk)
-      b, c, b_end = _cumsum_tiles(g_ref, cols, i + 1, g_min)
-      k_t = [k_ref[_rows(t), cols].astype(_F32) for t in range(i + 1)]
-      q_i = q_ref[_rows(i), cols].astype(_F32)
-      # The decayed operands of the state passes and the output, stored in
-      # the matmul dtype (the dtype those dots cast them to): q exp(b) here,
-      # k exp(b_C - b) and exp(b_C) on the last row, where b_C is known.
-      if b_ref is not None:
-        b_ref[_rows(i), cols] = b[i]
-      qg_ref[_rows(i), cols] = (q_i * jnp.exp(b[i])).astype(qg_ref.dtype)
-      if i == N_TILES - 1:
-        for t in range(N_TILES):
-          kg_ref[_rows(t), cols] = (
-              k_t[t] * jnp.exp(b_end[None, :] - b[t])).astype(kg_ref.dtype)
-        ec_ref[cols] = jnp.exp(b_end)
+      # b, and the decayed operands of the state passes and the output
+      # (q exp(b) here; k exp(b_C - b), exp(b_C) on the last row) stored.
+      b, c, k_t, q_i = _row_slice_operands(i, cols, q_ref, k_ref, g_ref,
+                                           g_min, b_ref, qg_ref, kg_ref,
+                                           ec_ref)
       lk_s, aqk_s = _row_slice_scores(i, [k_t[i], q_i], k_t, b, c, causal,
                                       bounded, mm)
       return (tuple(a + p for a, p in zip(acc[0], lk_s)),

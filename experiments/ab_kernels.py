@@ -33,7 +33,8 @@ import time
 from absl import app, flags
 import jax
 import jax.numpy as jnp
-import numpy as np
+
+from experiments.timing import median_ms
 
 _VERSIONS = flags.DEFINE_list(
     "versions", ["kda:main", "kda:main+split", "gla:main", "gla:main+split"],
@@ -113,17 +114,6 @@ def jitted_fns(op, mod, split, interpret):
     return o, vjp(x["do"])
 
   return jax.jit(call), jax.jit(fwd_bwd)
-
-
-def median_ms(fn, iters):
-  fn()
-  fn()
-  times = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t0)
-  return 1e3 * float(np.median(times))
 
 
 def main(argv):

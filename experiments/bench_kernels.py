@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import time
 
 from absl import app, flags
 import jax
@@ -34,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import float64_check
+from experiments.timing import median_ms
 from pallas_kernels.linear_attention import ops
 from pallas_kernels.linear_attention import gla_pallas
 
@@ -79,17 +79,6 @@ _HEADS = flags.DEFINE_integer("heads", 16, "H.")
 _DIM = flags.DEFINE_integer("dim", 128, "K = V.")
 
 H, D, G_MIN = 16, 128, -5.0  # set from --heads/--dim in main()
-
-
-def _median_ms(fn, iters):
-  fn()
-  fn()
-  ts = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    fn()
-    ts.append(time.perf_counter() - t0)
-  return 1e3 * float(np.median(ts))
 
 
 def make_inputs(bsz, t, seed=0):
@@ -142,8 +131,8 @@ def _jax_fns(op, backend, g_min, **kw):
 def time_jax(op, backend, g_min, x, iters, fwd_only=False, **kw):
   fwd, fwd_bwd = _jax_fns(op, backend, g_min, **kw)
   run = lambda f: (lambda: jax.block_until_ready(f(x)))  # noqa: E731
-  fb = float("nan") if fwd_only else _median_ms(run(fwd_bwd), iters)
-  return _median_ms(run(fwd), iters), fb
+  fb = float("nan") if fwd_only else median_ms(run(fwd_bwd), iters)
+  return median_ms(run(fwd), iters), fb
 
 
 def time_gla_tuned(x, tune, bounded, iters):
@@ -160,7 +149,7 @@ def time_gla_tuned(x, tune, bounded, iters):
 
   fwd_bwd = jax.jit(fb)
   run = lambda f: (lambda: jax.block_until_ready(f(x)))  # noqa: E731
-  return _median_ms(run(fwd), iters), _median_ms(run(fwd_bwd), iters)
+  return median_ms(run(fwd), iters), median_ms(run(fwd_bwd), iters)
 
 
 # ---------------------------------------------------------------------------
@@ -220,7 +209,7 @@ def time_peer(peer, name, xt, iters):
       t.grad = None
     torch.cuda.synchronize()
 
-  return _median_ms(fwd, iters), _median_ms(fwd_bwd, iters)
+  return median_ms(fwd, iters), median_ms(fwd_bwd, iters)
 
 
 # ---------------------------------------------------------------------------

@@ -23,13 +23,12 @@ from __future__ import annotations
 import functools
 import json
 import os
-import time
 
 from absl import app, flags
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from experiments.timing import median_ms
 from pallas_kernels.linear_attention import kda_pallas as kp
 
 _OUT = flags.DEFINE_string("out", "/tmp/profile_kda", "Output folder.")
@@ -53,17 +52,6 @@ _STAGES = flags.DEFINE_list("stages", ["0"], "0: default; N: force N.")
 _ITERS = flags.DEFINE_integer("iters", 10, "Timed iterations (median).")
 _INTERPRET = flags.DEFINE_bool("interpret", False,
                                "Interpret mode (a CPU smoke test).")
-
-
-def _median_ms(fn, iters):
-  jax.block_until_ready(fn())
-  jax.block_until_ready(fn())
-  ts = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    ts.append(time.perf_counter() - t0)
-  return 1e3 * float(np.median(ts))
 
 
 def inputs(b, t, h, d, seed=0):
@@ -96,38 +84,38 @@ def profile(x, bounded, block_k, iters, interpret=False, split=False):
   f = jax.jit(functools.partial(kp._intra_call, lay=lay, bounded=bounded,  # pylint: disable=protected-access
                                 interpret=interpret, for_backward=True,
                                 g_min=g_min))
-  c["prepare (XLA pads)"] = _median_ms(
+  c["prepare (XLA pads)"] = median_ms(
       lambda: prep(q, k, v, g, beta, s0), iters)
-  c["1 intra (b, Aqk, Lk, M, W, U)"] = _median_ms(
+  c["1 intra (b, Aqk, Lk, M, W, U)"] = median_ms(
       lambda: f(qp, kp_, gp, betap, vp), iters)
   w, u, aqk, qg, kg, ec, bp, m, lk = f(qp, kp_, gp, betap, vp)
   f = jax.jit(functools.partial(kp._state_call, lay=lay, interpret=interpret))  # pylint: disable=protected-access
-  c["2 state pass"] = _median_ms(lambda: f(w, u, kg, ec, s0p), iters)
+  c["2 state pass"] = median_ms(lambda: f(w, u, kg, ec, s0p), iters)
   states, v_new, _ = f(w, u, kg, ec, s0p)
   f = jax.jit(functools.partial(kp._output_call, lay=lay, scale=scale,  # pylint: disable=protected-access
                                 dtype=v.dtype, interpret=interpret,
                                 num_warps=kp.NUM_WARPS["output"],
                                 name="kda_chunk_output"))
-  c["3 output"] = _median_ms(lambda: f(qg, aqk, v_new, states), iters)
+  c["3 output"] = median_ms(lambda: f(qg, aqk, v_new, states), iters)
   f = jax.jit(functools.partial(kp._dvintra_call, lay=lay, scale=scale,  # pylint: disable=protected-access
                                 interpret=interpret))
-  c["b1 dv_intra"] = _median_ms(lambda: f(aqk, dop), iters)
+  c["b1 dv_intra"] = median_ms(lambda: f(aqk, dop), iters)
   dvi = f(aqk, dop)
   f = jax.jit(functools.partial(kp._dstate_call, lay=lay, scale=scale,  # pylint: disable=protected-access
                                 interpret=interpret))
-  c["b2 dstate pass"] = _median_ms(
+  c["b2 dstate pass"] = median_ms(
       lambda: f(qg, kg, ec, w, dop, dvi, dsfp), iters)
   dstates, dv_new, _ = f(qg, kg, ec, w, dop, dvi, dsfp)
   f = jax.jit(functools.partial(kp._grad_v_call, lay=lay, scale=scale,  # pylint: disable=protected-access
                                 dtype=v.dtype, bounded=bounded,
                                 interpret=interpret))
-  c["b3 grad_v (dv, dU', dA, dL)"] = _median_ms(
+  c["b3 grad_v (dv, dU', dA, dL)"] = median_ms(
       lambda: f(m, lk, betap, vp, dop, v_new, dv_new), iters)
   _, du, da, dlk, _ = f(m, lk, betap, vp, dop, v_new, dv_new)
   f = jax.jit(functools.partial(kp._grad_k_call, lay=lay, scale=scale,  # pylint: disable=protected-access
                                 bounded=bounded, interpret=interpret,
                                 g_min=g_min, split=split))
-  c["b4 grad_k (dq, dk, dg)" + (" + state_side" if split else "")] = _median_ms(lambda: f(
+  c["b4 grad_k (dq, dk, dg)" + (" + state_side" if split else "")] = median_ms(lambda: f(
       qp, kp_, bp, betap, dop, v_new, du, da, dlk, states, dstates, gp=gp),
                                            iters)
 
@@ -142,8 +130,8 @@ def profile(x, bounded, block_k, iters, interpret=False, split=False):
     _, vjp = jax.vjp(lambda *a: run(*a)[0], q, k, v, g, beta)
     return vjp(do)
 
-  c["total fwd"] = _median_ms(lambda: fwd(q, k, v, g, beta), iters)
-  c["total fwd+bwd"] = _median_ms(lambda: fwd_bwd(q, k, v, g, beta, do),
+  c["total fwd"] = median_ms(lambda: fwd(q, k, v, g, beta), iters)
+  c["total fwd+bwd"] = median_ms(lambda: fwd_bwd(q, k, v, g, beta, do),
                                   iters)
   return c
 

@@ -10,13 +10,19 @@ Both ops are built from the same pieces, so that a lesson measured on one
     matrix P_ij = sum_d x_id y_jd exp(b_id - b_jd), j <= i; dense dots
     anchored at the query tile's first row on the bounded path, position
     pairs on the unbounded path's diagonal tile;
+  * `_row_slice_operands`: the intra kernels' per-slice loads and the
+    stores of b, q exp(b), k exp(b_C - b), exp(b_C);
   * `_store_row`: a row tile of a dense lower-triangular [C, C] matrix;
   * `_output_call`: O = scale ((q exp(b)) S_n + A X), two dense dots;
+  * the key-side gradient pieces of grad_k (one K slice): the chunk-end
+    terms (`_end_terms`), dL/db's within-chunk reverse cumsum and the
+    stores (`_store_key_side_grads`), and the contractions over V, done
+    inline (`_v_dot`) or first in a kernel of their own
+    (`_state_side_kernel`, the split_grad_k knob);
   * the block specs of the [B, T, H, D] layout (no transposes) and of the
     [B, H, Tp, C] per-chunk matrices;
   * the input checks (`check_g_min`, `check_dims`).
-`lay` is a dict of static sizes (bsz, t, h, dk, dv, tp, n_chunks, chunk, kp,
-bk, bv, nv, mm) built by each op's `_layout`.
+`lay` is a dict of static sizes built by `_chunk_layout`.
 """
 from __future__ import annotations
 

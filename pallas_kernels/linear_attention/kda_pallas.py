@@ -92,7 +92,7 @@ multiple of 64; beta is moved to [B, H, T]):
      the final state; per chunk two dots and loads of W, U, k exp(b_C - b)
      and exp(b_C). Unlike GLA, K is not blocked: W S contracts over all of
      K (V blocks are independent).
-  3. `_output_kernel`, grid (B, H, N, V/BV), parallel:
+  3. `chunk_common._output_kernel`, grid (B, H, N, V/BV), parallel:
      O = scale * ((q exp(b)) S_n + Aqk V'): two dense dots per chunk.
 
 Backward. The forward keeps kernel 1's outputs (W, U, Aqk, M, Lk, b, q exp(b),
@@ -154,6 +154,9 @@ Kernels:
      upper-triangular ones matrix); before session 15 an XLA pass. On the
      bounded path dg is zeroed where g < g_min (the clamp's gradient), and
      dq, dk are stored in q's and k's dtype (session 16: no XLA passes).
+     With split_grad_k (an ablation knob, off until timed), the contractions
+     over V (dO S^T, dU' S^T, V' dH^T, sum_v dH * S) run first in
+     `chunk_common._state_side_kernel`, dense dots, and grad_k reads them.
   XLA: the sum of the dbeta parts.
   Launch: warps per kernel from NUM_WARPS (swept on an H200), num_stages 2.
   Measured on an H200 (B1 T32768 H16 D128 bf16, bounded, profile_kda,

@@ -1,6 +1,6 @@
 """The GPU experiment scripts refuse bad flags before anything compiles, and
-profile_kda and ab_kernels run end to end in interpret mode on a tiny shape
-(CPU)."""
+profile_kda, profile_gla and ab_kernels run end to end in interpret mode on
+a tiny shape (CPU)."""
 import json
 import math
 import os
@@ -35,6 +35,10 @@ def _run(*args):
      "version main, main+split or a path to a .py file"),
     (("experiments.ab_kernels", "--versions=gla:/no/such/gla.py"),
      "--versions", "no such file"),
+    (("experiments.profile_gla", "--tune=warps=8"), "--tune",
+     "block_k, pass_bk, pass_bv, bv, grad_bv, intra_warps"),
+    (("experiments.profile_gla", "--configs=bounded:24"), "--configs",
+     "tune.block_k must be a power of two"),
 ])
 def test_bad_flag_names_the_flag_and_the_allowed_values(args, flag, allowed):
   res = _run(*args)
@@ -68,3 +72,14 @@ def test_ab_kernels_interpret_smoke(tmp_path):
   assert all(math.isfinite(r["fwd_bwd_ms"]) and r["fwd_bwd_ms"] > 0
              for r in rows)
   assert (tmp_path / "ab.md").exists()
+
+
+def test_profile_gla_interpret_smoke(tmp_path):
+  res = _run("experiments.profile_gla", "--interpret", "--b=1", "--t=80",
+             "--h=1", "--d=32", "--configs=bounded:32:split", "--iters=1",
+             "--tune=grad_k_warps=8", f"--out={tmp_path}")
+  assert res.returncode == 0, res.stderr[-2000:]
+  [row] = [json.loads(line) for line in open(tmp_path / "rows.jsonl")]
+  assert row["tune"]["grad_k_warps"] == 8 and row["tune"]["split_grad_k"]
+  assert len(row["ms"]) == 9   # 6 kernels, the XLA pads and two totals
+  assert all(math.isfinite(ms) and ms > 0 for ms in row["ms"].values())

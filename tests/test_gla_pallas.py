@@ -219,13 +219,14 @@ def test_chunk_size_not_64():
     gla(q, k, v, g, backend="interpret", g_min=G_MIN, chunk_size=32)
 
 
-@pytest.mark.parametrize("field, value", [("block_k", 24), ("pass_bv", 8),
-                                          ("grad_bv", 0),
-                                          ("state_side_bk", 48)])
-def test_bad_tuning_is_refused(field, value):
+@pytest.mark.parametrize("field, value, match", [
+    ("block_k", 24, "a power of two"), ("pass_bv", 8, "a power of two"),
+    ("grad_bv", 0, "a power of two"), ("state_side_bk", 48, "a power of two"),
+    ("grad_k_warps", 0, ">= 1")])
+def test_bad_tuning_is_refused(field, value, match):
   q, k, v, g, s0 = make_inputs(0, t=16)
   tune = Tuning(**{field: value})
-  with pytest.raises(ValueError, match=f"tune.{field} must be a power of two"):
+  with pytest.raises(ValueError, match=f"tune.{field} must be {match}"):
     gla_pallas(q, k, v, g, scale=None, initial_state=s0, chunk_size=64,
                g_min=G_MIN, interpret=True, tune=tune)
 

@@ -97,9 +97,9 @@ from pallas_kernels.linear_attention.chunk_common import (
     _state_side_call, _state_side_terms, _store_key_side_grads, _store_row,
     _row_slice_operands, _tile, _tile_iota, check_dims, check_g_min)
 
-__all__ = ["gla_pallas", "register", "Tuning", "DEFAULT_TUNING", "GMinError",
-           "G_MIN_LOWEST", "CHUNK", "TILE", "MAX_DIM", "check_dims",
-           "check_g_min"]
+__all__ = ["gla_pallas", "register", "Tuning", "DEFAULT_TUNING", "check_tuning",
+           "GMinError", "G_MIN_LOWEST", "CHUNK", "TILE", "MAX_DIM",
+           "check_dims", "check_g_min"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -481,6 +481,27 @@ def _vjp_bwd(scale, bounded, g_min, tune, interpret, res, cts):
 _gla_pallas_vjp.defvjp(_vjp_fwd, _vjp_bwd)
 
 
+def check_tuning(tune):
+  """ValueError naming the field unless tune is a valid Tuning: block sizes
+  powers of two >= 16, warp and stage counts >= 1, split_grad_k a bool."""
+  if not isinstance(tune, Tuning):
+    raise ValueError(f"tune must be a gla_pallas.Tuning, got {tune!r}")
+  for name in ("block_k", "pass_bk", "pass_bv", "bv", "grad_bv",
+               "state_side_bk"):
+    size = getattr(tune, name)
+    if size < TILE or size & (size - 1):
+      raise ValueError(f"tune.{name} must be a power of two >= {TILE}, got "
+                       f"{size!r}")
+  for name in ("intra_warps", "pass_warps", "output_warps", "dv_warps",
+               "grad_k_warps", "state_side_warps", "num_stages"):
+    if getattr(tune, name) < 1:
+      raise ValueError(f"tune.{name} must be >= 1, got "
+                       f"{getattr(tune, name)!r}")
+  if not isinstance(tune.split_grad_k, bool):
+    raise ValueError(f"tune.split_grad_k must be True or False, got "
+                     f"{tune.split_grad_k!r}")
+
+
 def gla_pallas(q, k, v, g, *, scale, initial_state, chunk_size, g_min,
                interpret=False, bounded=None, tune=DEFAULT_TUNING):
   """Chunked GLA, forward and backward as Pallas kernels (jax.custom_vjp).
@@ -505,17 +526,7 @@ def gla_pallas(q, k, v, g, *, scale, initial_state, chunk_size, g_min,
     bounded = g_min is not None
   if bounded:
     check_g_min(g_min)
-  if not isinstance(tune, Tuning):
-    raise ValueError(f"tune must be a gla_pallas.Tuning, got {tune!r}")
-  for name in ("block_k", "pass_bk", "pass_bv", "bv", "grad_bv",
-               "state_side_bk"):
-    size = getattr(tune, name)
-    if size < TILE or size & (size - 1):
-      raise ValueError(f"tune.{name} must be a power of two >= {TILE}, got "
-                       f"{size!r}")
-  if not isinstance(tune.split_grad_k, bool):
-    raise ValueError(f"tune.split_grad_k must be True or False, got "
-                     f"{tune.split_grad_k!r}")
+  check_tuning(tune)
   bsz, _, h, dk = q.shape
   dv = v.shape[-1]
   scale = float(dk) ** -0.5 if scale is None else float(scale)

@@ -25,7 +25,7 @@ from absl import app, flags
 import jax
 import jax.numpy as jnp
 
-from experiments.timing import median_ms
+from experiments.timing import median_ms, parse_kernel_config
 from pallas_kernels.linear_attention import gla_pallas as gp
 from pallas_kernels.linear_attention.chunk_common import _output_call, _pad  # pylint: disable=protected-access
 
@@ -61,19 +61,13 @@ def parse_flags():
     overrides[name] = int(value)
   configs = []
   for cfg in _CONFIGS.value:
-    path, _, rest = cfg.partition(":")
-    block_k, _, opt = rest.partition(":")
-    if (path not in ("bounded", "unbounded") or not block_k.isdigit()
-        or opt not in ("", "split")):
-      raise app.UsageError(f"--configs: bad entry {cfg!r}; expected "
-                           "path:block_k[:split] with path bounded or "
-                           "unbounded")
-    configs.append((cfg, path == "bounded", int(block_k), opt == "split"))
     try:
+      bounded, block_k, split = parse_kernel_config(cfg)
       gp.check_tuning(dataclasses.replace(
-          gp.DEFAULT_TUNING, block_k=int(block_k), **overrides))
+          gp.DEFAULT_TUNING, block_k=block_k, **overrides))
     except ValueError as e:
       raise app.UsageError(f"--configs / --tune: {e}") from None
+    configs.append((cfg, bounded, block_k, split))
   return configs, overrides
 
 

@@ -28,7 +28,7 @@ from absl import app, flags
 import jax
 import jax.numpy as jnp
 
-from experiments.timing import median_ms
+from experiments.timing import median_ms, parse_kernel_config
 from pallas_kernels.linear_attention import kda_pallas as kp
 
 _OUT = flags.DEFINE_string("out", "/tmp/profile_kda", "Output folder.")
@@ -148,14 +148,12 @@ def main(argv):
           f"--set_warps: bad entry {pair!r}; expected kernel:N with kernel "
           f"one of {', '.join(orig_warps)}")
     overrides[name] = int(n)
+  configs = []
   for cfg in _CONFIGS.value:
-    path, _, rest = cfg.partition(":")
-    block_k, _, opt = rest.partition(":")
-    if (path not in ("bounded", "unbounded") or not block_k.isdigit()
-        or opt not in ("", "split")):
-      raise app.UsageError(f"--configs: bad entry {cfg!r}; expected "
-                           "path:block_k[:split] with path bounded or "
-                           "unbounded")
+    try:
+      configs.append((cfg,) + parse_kernel_config(cfg))
+    except ValueError as e:
+      raise app.UsageError(str(e)) from None
   os.makedirs(_OUT.value, exist_ok=True)
   print(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}  "
         f"B={_B.value} T={_T.value} H={_H.value} D={_D.value} bf16")
@@ -170,15 +168,15 @@ def main(argv):
     kp.NUM_WARPS.update(overrides)
     kp.NUM_STAGES = stages or orig_stages
     jax.clear_caches()  # the jitted kernels read these when traced
-    for cfg in _CONFIGS.value:
-      path, block_k, *opt = cfg.split(":")
-      name = (f"{path} block_k={block_k}{' split' if opt else ''} "
+    for cfg, bounded, block_k, split in configs:
+      path = cfg.partition(":")[0]
+      name = (f"{path} block_k={block_k}{' split' if split else ''} "
               f"warps={warps or 'default'}"
               f"{' ' + ','.join(_SET_WARPS.value) if overrides else ''} "
               f"stages={kp.NUM_STAGES} pass_bv={kp.BLOCK_V_PASS}")
       try:
-        c = profile(x, path == "bounded", int(block_k), _ITERS.value,
-                    _INTERPRET.value, split=bool(opt))
+        c = profile(x, bounded, block_k, _ITERS.value, _INTERPRET.value,
+                    split=split)
       except Exception as e:  # pylint: disable=broad-except
         print(f"{name} failed: {type(e).__name__}: {str(e)[:500]}")
         continue

@@ -1,6 +1,6 @@
-"""Wall-clock timing shared by the GPU experiment scripts (flag-free, so
-that any of them can import it: the absl-flag modules cannot import each
-other)."""
+"""Timing and config parsing shared by the GPU experiment scripts
+(flag-free, so that any of them can import it: the absl-flag modules cannot
+import each other)."""
 import time
 
 import jax
@@ -21,3 +21,16 @@ def median_ms(fn, iters, warmup=2):
     jax.block_until_ready(fn())
     times.append(time.perf_counter() - t0)
   return 1e3 * float(np.median(times))
+
+
+def parse_kernel_config(entry):
+  """(bounded, block_k, split) of a profiler's `path:block_k[:split]` entry
+  (path bounded or unbounded; split: the backward's contractions over V in
+  their own kernel). ValueError naming the form otherwise."""
+  path, _, rest = entry.partition(":")
+  block_k, _, opt = rest.partition(":")
+  if (path not in ("bounded", "unbounded") or not block_k.isdigit()
+      or opt not in ("", "split")):
+    raise ValueError(f"--configs: bad entry {entry!r}; expected "
+                     "path:block_k[:split] with path bounded or unbounded")
+  return path == "bounded", int(block_k), opt == "split"

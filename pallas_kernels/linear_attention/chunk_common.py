@@ -461,6 +461,30 @@ def _state_side_call(xs, uses_dh, states, dstates, lay, bk, num_warps,
   )(*xs, states, dstates)
 
 
+def _state_side_inputs(xs, uses_dh, states, dstates, lay, split, bk_side,
+                       num_warps, interpret, name):
+  """grad_k's state-side inputs and their block specs (grid (B, H, N, K
+  slice j)), in the order `_state_side_terms` unpacks them.
+
+  xs: the [B, Tp, H, V] arrays contracted over V (KDA: dO, dU', V'; GLA:
+  dO, v), each against S_n or, where uses_dh, dH_n; states, dstates
+  [B, H, N, Kp, V]. split=False: xs, states, dstates themselves (grad_k
+  contracts per K slice); split=True: their contractions, run here first in
+  `_state_side_kernel` (K blocks of bk_side, num_warps warps, kernel name).
+  """
+  bk, dv = lay["bk"], lay["dv"]
+  if split:
+    side = _state_side_call(xs, uses_dh, states, dstates, lay, bk_side,
+                            num_warps, interpret, name)
+    specs = [_chunk_spec(bk, True)] * len(xs) + [pl.BlockSpec(
+        (None, None, None, bk), lambda b, h, n, j: (b, h, n, j))]
+    return list(side), specs
+  state_slice = pl.BlockSpec((None, None, None, bk, dv),
+                             lambda b, h, n, j: (b, h, n, j, 0))
+  return (list(xs) + [states, dstates],
+          [_chunk_spec(dv)] * len(xs) + [state_slice] * 2)
+
+
 def _store_key_side_grads(dq, dk, db, d_end, dq_ref, dk_ref, dg_ref, g_ref,
                           g_min):
   """Stores dq, dk (in their refs' dtypes) and dg for one K slice.

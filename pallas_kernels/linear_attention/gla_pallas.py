@@ -94,7 +94,7 @@ from pallas_kernels.linear_attention.chunk_common import (
     GMinError, _block_v, _chunk_layout, _chunk_spec, _compiler_params,
     _decay_tiles, _dot, _end_terms, _k_slice, _output_call, _pad,
     _pair_decay, _row_slice_scores, _rows, _shape_of, _square_spec,
-    _state_side_call, _state_side_terms, _store_key_side_grads, _store_row,
+    _state_side_inputs, _state_side_terms, _store_key_side_grads, _store_row,
     _row_slice_operands, _tile, _tile_iota, check_dims, check_g_min)
 
 __all__ = ["gla_pallas", "register", "Tuning", "DEFAULT_TUNING", "check_tuning",
@@ -377,22 +377,17 @@ def _dv_call(aqk, kg, vp, dop, dstates, lay, scale, dtype, bounded, tune,
 def _grad_k_call(qp, kp_, bp, gp, dop, vp, da, states, dstates, lay, scale,
                  bounded, g_min, tune, interpret):
   """Kernel 6: dq, dk [B, Tp, H, Kp] in q's and k's dtype, dg fp32. With
-  g_min, dg is zero where gp (the caller's g, padded) < g_min; gp is not
-  read otherwise (pass any [B, Tp, H, Kp] array). With tune.split_grad_k
-  the contractions over V run first in chunk_common's state-side kernel."""
+  g_min, dg is zero where gp (the caller's g, padded) < g_min; without it gp
+  may be None (it is not read). With tune.split_grad_k the contractions
+  over V run first in chunk_common's state-side kernel."""
+  if g_min is None:
+    gp = bp   # a placeholder: the kernel reads g only with g_min
   bk, dv = lay["bk"], lay["dv"]
   k_slice = _chunk_spec(bk, True)
-  if tune.split_grad_k:
-    side = _state_side_call([dop, vp], (False, True), states, dstates, lay,
-                            tune.state_side_bk, tune.state_side_warps,
-                            interpret, "gla_chunk_state_side")
-    side_specs = [k_slice] * 2 + [pl.BlockSpec(
-        (None, None, None, bk), lambda b, h, n, j: (b, h, n, j))]
-  else:
-    side = (dop, vp, states, dstates)
-    state_slice = pl.BlockSpec((None, None, None, bk, dv),
-                               lambda b, h, n, j: (b, h, n, j, 0))
-    side_specs = [_chunk_spec(dv)] * 2 + [state_slice] * 2
+  side, side_specs = _state_side_inputs(
+      [dop, vp], (False, True), states, dstates, lay, tune.split_grad_k,
+      tune.state_side_bk, tune.state_side_warps, interpret,
+      "gla_chunk_state_side")
   return pl.pallas_call(
       functools.partial(_grad_k_kernel, scale=scale,
                         bv=_block_v(dv, tune.grad_bv), bounded=bounded,
@@ -451,7 +446,7 @@ def _gla_bwd(q, k, v, g, s0, intra, do, ds_final, *, scale, bounded, g_min,
   dstates, ds0 = _dstate_call(qg, dop, ec, dsfp, lay, scale, tune, interpret)
   dvp, da = _dv_call(aqk, kg, vp, dop, dstates, lay, scale, v.dtype, bounded,
                      tune, interpret)
-  gp = bp if g_min is None else _pad(g, tp, kp)
+  gp = None if g_min is None else _pad(g, tp, kp)
   dq, dk_, dg = _grad_k_call(qp, kp_, bp, gp, dop, vp, da, states, dstates,
                              lay, scale, bounded, g_min, tune, interpret)
   dq, dk_, dg = (x[:, :t, :, :dk] for x in (dq, dk_, dg))

@@ -184,7 +184,7 @@ from pallas_kernels.linear_attention.chunk_common import (
     _dot, _k_slice, _output_call, _pad, _pair_decay, _rows,
     _row_slice_scores, _shape_of, _square_spec, _store_row,
     _tile_iota, check_dims, check_g_min, _tile, _end_terms,
-    _state_side_terms, _state_side_call, _row_slice_operands,
+    _state_side_terms, _state_side_inputs, _row_slice_operands,
     _store_key_side_grads, _chunk_layout)
 from pallas_kernels.linear_attention.reference import chunk_kda_ref
 # K slice width of the bounded path. Narrow slices bound the live [16, bk]
@@ -724,18 +724,10 @@ def _grad_k_call(qp, kp_, bp, betap, dop, v_new, du, da, dlk, states,
     gp = bp   # a placeholder: the kernel reads g only with g_min
   bk, dv, nk = lay["bk"], lay["dv"], lay["kp"] // lay["bk"]
   k_slice = _chunk_spec(bk, True)
-  if split:
-    side = _state_side_call([dop, du, v_new], (False, False, True), states,
-                            dstates, lay, BLOCK_K_STATE_SIDE,
-                            NUM_WARPS["state_side"], interpret,
-                            "kda_chunk_state_side")
-    side_specs = [k_slice] * 3 + [pl.BlockSpec(
-        (None, None, None, bk), lambda b, h, n, j: (b, h, n, j))]
-  else:
-    side = (dop, du, v_new, states, dstates)
-    state_slice = pl.BlockSpec((None, None, None, bk, dv),
-                               lambda b, h, n, j: (b, h, n, j, 0))
-    side_specs = [_chunk_spec(dv)] * 3 + [state_slice] * 2
+  side, side_specs = _state_side_inputs(
+      [dop, du, v_new], (False, False, True), states, dstates, lay, split,
+      BLOCK_K_STATE_SIDE, NUM_WARPS["state_side"], interpret,
+      "kda_chunk_state_side")
   return pl.pallas_call(
       functools.partial(_grad_k_kernel, scale=scale,
                         bv=_block_v(dv, cap=128), bounded=bounded,
@@ -757,12 +749,12 @@ def _grad_k_call(qp, kp_, bp, betap, dop, v_new, du, da, dlk, states,
   )(qp, kp_, bp, gp, betap, da, dlk, *side)
 
 
-_STATIC = ("scale", "block_k", "bounded", "interpret", "g_min", "split")
+_STATIC = ("scale", "block_k", "bounded", "interpret", "g_min")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("for_backward",))
 def _kda_fwd_impl(q, k, v, g, beta, s0, *, scale, block_k, bounded,
-                  interpret, g_min, split, for_backward=False):
+                  interpret, g_min, for_backward=False):
   """q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; s0 [B, H, K, V].
 
   The kernels read the caller's [B, T, H, D] layout (no transposes); beta is
@@ -770,9 +762,8 @@ def _kda_fwd_impl(q, k, v, g, beta, s0, *, scale, block_k, bounded,
   for_backward, also returns the residuals: the intra kernel's outputs W, U,
   Aqk, qg, kg, ec, b, M, Lk (O(T (4 K + V + 3 C)), about twice the size of
   the inputs). With g_min (a float), g is clamped to it inside the intra
-  kernel; None: no clamp. split is the backward's option (unused here).
+  kernel; None: no clamp.
   """
-  del split
   lay = _layout(q, v, block_k)
   qp, kp_, vp, gp, betap, s0p = _prepare(q, k, v, g, beta, s0, lay)
   intra = _intra_call(qp, kp_, gp, betap, vp, lay, bounded, interpret,
@@ -787,7 +778,7 @@ def _kda_fwd_impl(q, k, v, g, beta, s0, *, scale, block_k, bounded,
   return out, intra
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@functools.partial(jax.jit, static_argnames=_STATIC + ("split",))
 def _kda_bwd_impl(q, k, v, beta, s0, intra, g, do, ds_final, *,
                   scale, block_k, bounded, interpret, g_min, split):
   """(dq, dk, dv, dg, dbeta, ds0) given do [B,T,H,V], ds_final [B,H,K,V] and
@@ -823,19 +814,20 @@ def _kda_bwd_impl(q, k, v, beta, s0, intra, g, do, ds_final, *,
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
 def _kda_pallas_vjp(q, k, v, g, beta, s0, scale, block_k, bounded, interpret,
                     g_min, split):
+  del split  # the backward's option
   return _kda_fwd_impl(q, k, v, g, beta, s0, scale=scale, block_k=block_k,
-                       bounded=bounded, interpret=interpret, g_min=g_min,
-                       split=split)
+                       bounded=bounded, interpret=interpret, g_min=g_min)
 
 
 def _vjp_fwd(q, k, v, g, beta, s0, scale, block_k, bounded, interpret, g_min,
              split):
+  del split  # the backward's option
   # The forward keeps what its intra kernel built (b, W, U, Aqk, M, Lk, qg,
   # kg, ec): the backward does not re-run that kernel (H200, B1 T32768 H16
   # D128: 3.6 ms). g itself only when the clamp needs its mask.
   out, intra = _kda_fwd_impl(
       q, k, v, g, beta, s0, scale=scale, block_k=block_k, bounded=bounded,
-      interpret=interpret, g_min=g_min, split=split, for_backward=True)
+      interpret=interpret, g_min=g_min, for_backward=True)
   return out, (q, k, v, beta, s0, intra, None if g_min is None else g)
 
 

@@ -115,9 +115,9 @@ def profile(x, bounded, block_k, iters, interpret=False, split=False):
   f = jax.jit(functools.partial(kp._grad_k_call, lay=lay, scale=scale,  # pylint: disable=protected-access
                                 bounded=bounded, interpret=interpret,
                                 g_min=g_min, split=split))
-  c["b4 grad_k (dq, dk, dg)" + (" + state_side" if split else "")] = median_ms(lambda: f(
-      qp, kp_, bp, betap, dop, v_new, du, da, dlk, states, dstates, gp=gp),
-                                           iters)
+  name = "b4 grad_k (dq, dk, dg)" + (" + state_side" if split else "")
+  c[name] = median_ms(lambda: f(qp, kp_, bp, betap, dop, v_new, du, da, dlk,
+                                states, dstates, gp=gp), iters)
 
   run = lambda *a: kp.kda_pallas(  # noqa: E731
       *a, scale=None, initial_state=None, chunk_size=64, g_min=g_min,
@@ -151,7 +151,7 @@ def main(argv):
   configs = []
   for cfg in _CONFIGS.value:
     try:
-      configs.append((cfg,) + parse_kernel_config(cfg))
+      configs.append(parse_kernel_config(cfg))
     except ValueError as e:
       raise app.UsageError(str(e)) from None
   os.makedirs(_OUT.value, exist_ok=True)
@@ -168,8 +168,8 @@ def main(argv):
     kp.NUM_WARPS.update(overrides)
     kp.NUM_STAGES = stages or orig_stages
     jax.clear_caches()  # the jitted kernels read these when traced
-    for cfg, bounded, block_k, split in configs:
-      path = cfg.partition(":")[0]
+    for bounded, block_k, split in configs:
+      path = "bounded" if bounded else "unbounded"
       name = (f"{path} block_k={block_k}{' split' if split else ''} "
               f"warps={warps or 'default'}"
               f"{' ' + ','.join(_SET_WARPS.value) if overrides else ''} "

@@ -83,7 +83,7 @@ def launch_params(fn, args):
   return found
 
 
-def capture_ttir(fn, args, out_dir):
+def capture_ttir(fn, args, out_dir, arch=90):
   """Lowers jax.jit(fn)(*args) for CUDA; writes each Pallas kernel's TTIR.
 
   Returns [(file, kernel name, num_warps, num_stages)] in lowering order.
@@ -104,11 +104,35 @@ def capture_ttir(fn, args, out_dir):
     return res
 
   lowering.lower_jaxpr_to_triton_module = lower
+  restore_gpu_info = _assume_gpu_without_one(arch)
   try:
     jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
   finally:
     lowering.lower_jaxpr_to_triton_module = orig_lower
+    restore_gpu_info()
   return found
+
+
+def _assume_gpu_without_one(arch):
+  """jax >= 0.11 asks the attached GPU for its compute capability while
+  lowering a Triton kernel (and fails without one); the lowering needs no
+  device, so with none attached it is told `arch`. Returns the undo."""
+  try:
+    from jax._src.pallas.triton import gpu_info  # pylint: disable=g-import-not-at-top
+  except ImportError:   # jax 0.10: the lowering asks nothing
+    return lambda: None
+  original = gpu_info.get_gpu_info
+
+  def get_gpu_info():
+    try:
+      return original()
+    except ValueError:   # no GPU attached
+      return gpu_info.GpuInfo(gpu_version=None,
+                              arch_name=f"{arch // 10}.{arch % 10}",
+                              compute_capability=arch)
+
+  gpu_info.get_gpu_info = get_gpu_info
+  return lambda: setattr(gpu_info, "get_gpu_info", original)
 
 
 def compile_report(ttir, num_warps, num_stages, arch):
@@ -206,7 +230,8 @@ def main(argv):
       for f in glob.glob(os.path.join(out_dir, "*")):
         os.remove(f)
       kernels = capture_ttir(op_fn(op, path == "bounded", _SPLIT.value),
-                             op_inputs(op, _T.value, _D.value), out_dir)
+                             op_inputs(op, _T.value, _D.value), out_dir,
+                             arch=_ARCH.value)
       seen = set()
       for ttir, name, warps, stages in kernels:
         if name in seen:  # a kernel re-run in the backward: same code

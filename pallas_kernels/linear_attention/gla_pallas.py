@@ -95,7 +95,10 @@ from pallas_kernels.linear_attention.chunk_common import (
     _decay_tiles, _dot, _end_terms, _k_slice, _output_call, _pad,
     _pair_decay, _row_slice_scores, _rows, _shape_of, _square_spec,
     _state_side_inputs, _state_side_terms, _store_key_side_grads, _store_row,
-    _row_slice_operands, _tile, _tile_iota, check_dims, check_g_min)
+    _row_slice_operands, _tile, _tile_iota, check_dims, check_g_min,
+    _next_pow2)
+from pallas_kernels.linear_attention import state_mosaic
+from pallas_kernels.linear_attention.state_mosaic import STATE_PASSES
 
 __all__ = ["gla_pallas", "register", "Tuning", "DEFAULT_TUNING", "check_tuning",
            "GMinError", "G_MIN_LOWEST", "CHUNK", "TILE", "MAX_DIM",
@@ -122,6 +125,10 @@ class Tuning:
   split_grad_k: bool = False
   state_side_bk: int = 64
   state_side_warps: int = 4
+  # The state and dstate passes as Triton ("triton") or Mosaic GPU
+  # ("mosaic": wgmma + TMA, state_mosaic.py, blocks pass_bk x pass_bv; bf16,
+  # K >= 64) kernels; untimed (session 17).
+  state_pass: str = "triton"
 
   def params(self, kernel):
     return _compiler_params(getattr(self, f"{kernel}_warps"), self.num_stages)
@@ -343,6 +350,16 @@ def _state_call(kg, vp, ec, s0p, lay, tune, interpret):
       kg, vp, ec, s0p, lay, tune, interpret, "gla_state_pass")
 
 
+def _state_pass(kg, vp, ec, s0p, lay, tune, interpret):
+  """Kernel 2 as Triton or Mosaic GPU kernels (tune.state_pass)."""
+  if tune.state_pass == "mosaic":
+    layout = state_mosaic.default_layout(interpret)
+    return state_mosaic.state_pass(
+        state_mosaic.as_layout(kg, layout), vp, ec, s0p, bk=lay["bk_pass"],
+        bv=lay["bv_pass"], layout=layout, interpret=interpret)
+  return _state_call(kg, vp, ec, s0p, lay, tune, interpret)
+
+
 def _dstate_call(qg, dop, ec, dsfp, lay, scale, tune, interpret):
   """Kernel 4: dH_n (grad wrt the state leaving chunk n) and dS_0."""
   return _pass_call(
@@ -420,7 +437,7 @@ def _gla_fwd(q, k, v, g, s0, *, scale, bounded, g_min, tune, interpret,
   intra = _intra_call(qp, kp_, gp, lay, bounded, g_min, tune, interpret,
                       for_backward)
   aqk, qg, kg, ec = intra[:4]
-  states, s_final = _state_call(kg, vp, ec, s0p, lay, tune, interpret)
+  states, s_final = _state_pass(kg, vp, ec, s0p, lay, tune, interpret)
   o = _output_call(qg, aqk, vp, states, lay, scale, v.dtype, interpret,
                    tune.output_warps, "gla_chunk_output")
   out = o[:, :lay["t"]], s_final[:, :, :dk]
@@ -442,8 +459,16 @@ def _gla_bwd(q, k, v, g, s0, intra, do, ds_final, *, scale, bounded, g_min,
   dsfp = jnp.pad(ds_final.astype(_F32), ((0, 0), (0, 0), (0, kp - dk),
                                          (0, 0)))
   aqk, qg, kg, ec, bp = intra
-  states, _ = _state_call(kg, vp, ec, s0p, lay, tune, interpret)
-  dstates, ds0 = _dstate_call(qg, dop, ec, dsfp, lay, scale, tune, interpret)
+  states, _ = _state_pass(kg, vp, ec, s0p, lay, tune, interpret)
+  if tune.state_pass == "mosaic":
+    layout = state_mosaic.default_layout(interpret)
+    dstates, ds0 = state_mosaic.gla_dstate_pass(
+        state_mosaic.as_layout(qg, layout), dop, ec, dsfp, scale=scale,
+        bk=lay["bk_pass"], bv=lay["bv_pass"], layout=layout,
+        interpret=interpret)
+  else:
+    dstates, ds0 = _dstate_call(qg, dop, ec, dsfp, lay, scale, tune,
+                                interpret)
   dvp, da = _dv_call(aqk, kg, vp, dop, dstates, lay, scale, v.dtype, bounded,
                      tune, interpret)
   gp = None if g_min is None else _pad(g, tp, kp)
@@ -495,6 +520,9 @@ def check_tuning(tune):
   if not isinstance(tune.split_grad_k, bool):
     raise ValueError(f"tune.split_grad_k must be True or False, got "
                      f"{tune.split_grad_k!r}")
+  if tune.state_pass not in STATE_PASSES:
+    raise ValueError(f"tune.state_pass must be one of {STATE_PASSES}, got "
+                     f"{tune.state_pass!r}")
 
 
 def gla_pallas(q, k, v, g, *, scale, initial_state, chunk_size, g_min,
@@ -524,6 +552,11 @@ def gla_pallas(q, k, v, g, *, scale, initial_state, chunk_size, g_min,
   check_tuning(tune)
   bsz, _, h, dk = q.shape
   dv = v.shape[-1]
+  if tune.state_pass == "mosaic":
+    kp = _next_pow2(dk)
+    state_mosaic.check_state_pass(
+        kp, dv, v.dtype, min(kp, tune.pass_bk), _block_v(dv, tune.pass_bv),
+        state_mosaic.default_layout(interpret), whole_k=False)
   scale = float(dk) ** -0.5 if scale is None else float(scale)
   if initial_state is None:
     initial_state = jnp.zeros((bsz, h, dk, dv), _F32)

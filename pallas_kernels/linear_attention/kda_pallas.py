@@ -178,6 +178,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.linear_attention import ops
+from pallas_kernels.linear_attention import state_mosaic
+from pallas_kernels.linear_attention.state_mosaic import STATE_PASSES
 from pallas_kernels.linear_attention.chunk_common import (
     CHUNK, G_MIN_LOWEST, N_TILES, TILE, _F32, _NN, _NT, _TN, GMinError,
     _block_v, _chunk_spec, _compiler_params, _cumsum_tiles, _decay_tiles,
@@ -185,7 +187,7 @@ from pallas_kernels.linear_attention.chunk_common import (
     _row_slice_scores, _shape_of, _square_spec, _store_row,
     _tile_iota, check_dims, check_g_min, _tile, _end_terms,
     _state_side_terms, _state_side_inputs, _row_slice_operands,
-    _store_key_side_grads, _chunk_layout)
+    _store_key_side_grads, _chunk_layout, _next_pow2)
 from pallas_kernels.linear_attention.reference import chunk_kda_ref
 # K slice width of the bounded path. Narrow slices bound the live [16, bk]
 # fp32 tiles: on an H200 (B1 T32768 H16 D128 bf16, experiments/profile_kda.py)
@@ -227,6 +229,11 @@ NUM_WARPS = dict(intra=4, state=8, output=4, dv_intra=2, dstate=8, grad_v=4,
 # that shape. Untimed (session 16: no device); False until measured.
 SPLIT_GRAD_K = False
 BLOCK_K_STATE_SIDE = 64
+# The two sequential passes (state, dstate) as Triton kernels ("triton") or
+# as Mosaic GPU kernels with warpgroup MMAs and TMA prefetch ("mosaic",
+# state_mosaic.py: bf16 and K >= 64 only). The issue's next step after the
+# Triton profile; untimed (session 17: no device), "triton" until measured.
+STATE_PASS = "triton"
 NUM_STAGES = 2
 
 __all__ = ["kda_pallas", "register", "GMinError", "G_MIN_LOWEST"]
@@ -642,6 +649,16 @@ def _state_call(w, u, kg, ec, s0p, lay, interpret):
   )(w, u, kg, ec, s0p)
 
 
+def _state_pass(w, u, kg, ec, s0p, lay, interpret, state_pass):
+  """Kernel 2 as Triton ("triton") or Mosaic GPU ("mosaic") kernels."""
+  if state_pass == "mosaic":
+    layout = state_mosaic.default_layout(interpret)
+    return state_mosaic.state_pass(
+        state_mosaic.as_layout(kg, layout), u, ec, s0p, w=w,
+        bv=lay["bv_pass"], layout=layout, interpret=interpret)
+  return _state_call(w, u, kg, ec, s0p, lay, interpret)
+
+
 def _dvintra_call(aqk, dop, lay, scale, interpret):
   """scale Aqk^T dO [B, Tp, H, V] fp32: the state-independent part of dV'."""
   bv = lay["bv"]
@@ -749,12 +766,12 @@ def _grad_k_call(qp, kp_, bp, betap, dop, v_new, du, da, dlk, states,
   )(qp, kp_, bp, gp, betap, da, dlk, *side)
 
 
-_STATIC = ("scale", "block_k", "bounded", "interpret", "g_min")
+_STATIC = ("scale", "block_k", "bounded", "interpret", "g_min", "state_pass")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("for_backward",))
 def _kda_fwd_impl(q, k, v, g, beta, s0, *, scale, block_k, bounded,
-                  interpret, g_min, for_backward=False):
+                  interpret, g_min, state_pass, for_backward=False):
   """q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; s0 [B, H, K, V].
 
   The kernels read the caller's [B, T, H, D] layout (no transposes); beta is
@@ -762,14 +779,15 @@ def _kda_fwd_impl(q, k, v, g, beta, s0, *, scale, block_k, bounded,
   for_backward, also returns the residuals: the intra kernel's outputs W, U,
   Aqk, qg, kg, ec, b, M, Lk (O(T (4 K + V + 3 C)), about twice the size of
   the inputs). With g_min (a float), g is clamped to it inside the intra
-  kernel; None: no clamp.
+  kernel; None: no clamp. state_pass: "triton" or "mosaic" (STATE_PASS).
   """
   lay = _layout(q, v, block_k)
   qp, kp_, vp, gp, betap, s0p = _prepare(q, k, v, g, beta, s0, lay)
   intra = _intra_call(qp, kp_, gp, betap, vp, lay, bounded, interpret,
                       for_backward, g_min)
   w, u, aqk, qg, kg, ec = intra[:6]
-  states, v_new, s_final = _state_call(w, u, kg, ec, s0p, lay, interpret)
+  states, v_new, s_final = _state_pass(w, u, kg, ec, s0p, lay, interpret,
+                                       state_pass)
   o = _output_call(qg, aqk, v_new, states, lay, scale, v.dtype, interpret,
                    NUM_WARPS["output"], "kda_chunk_output")
   out = o[:, :lay["t"]], s_final[:, :, :lay["dk"]]
@@ -780,7 +798,8 @@ def _kda_fwd_impl(q, k, v, g, beta, s0, *, scale, block_k, bounded,
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("split",))
 def _kda_bwd_impl(q, k, v, beta, s0, intra, g, do, ds_final, *,
-                  scale, block_k, bounded, interpret, g_min, split):
+                  scale, block_k, bounded, interpret, g_min, state_pass,
+                  split):
   """(dq, dk, dv, dg, dbeta, ds0) given do [B,T,H,V], ds_final [B,H,K,V] and
   the forward's residuals (the intra kernel's outputs, and g [B,T,H,K] when
   g_min clamps it: dg is zero where g < g_min; else g is None)."""
@@ -794,10 +813,18 @@ def _kda_bwd_impl(q, k, v, beta, s0, intra, g, do, ds_final, *,
   # The state pass is re-run, not kept (O(T K V / C)): when the forward
   # and backward share one jit, XLA merges this call with the forward's
   # identical one (measured: keeping the states changed nothing, 18.19 ms).
-  states, v_new, _ = _state_call(w, u, kg, ec, s0p, lay, interpret)
+  states, v_new, _ = _state_pass(w, u, kg, ec, s0p, lay, interpret,
+                                 state_pass)
   dv_intra = _dvintra_call(aqk, dop, lay, scale, interpret)
-  dstates, dv_new, ds0 = _dstate_call(qg, kg, ec, w, dop, dv_intra, dsfp, lay,
-                                      scale, interpret)
+  if state_pass == "mosaic":
+    layout = state_mosaic.default_layout(interpret)
+    dstates, dv_new, ds0 = state_mosaic.kda_dstate_pass(
+        state_mosaic.as_layout(qg, layout), kg,
+        state_mosaic.as_layout(w, layout), ec, dop, dv_intra, dsfp,
+        scale=scale, bv=lay["bv_pass"], layout=layout, interpret=interpret)
+  else:
+    dstates, dv_new, ds0 = _dstate_call(qg, kg, ec, w, dop, dv_intra, dsfp,
+                                        lay, scale, interpret)
   dvp, du, da, dlk, dbeta_v = _grad_v_call(m, lk, betap, vp, dop, v_new,
                                            dv_new, lay, scale, v.dtype,
                                            bounded, interpret)
@@ -811,32 +838,36 @@ def _kda_bwd_impl(q, k, v, beta, s0, intra, g, do, ds_final, *,
   return (dq, dk_, dvp[:, :t], dg, dbeta.astype(beta.dtype), ds0[:, :, :dk])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11, 12))
 def _kda_pallas_vjp(q, k, v, g, beta, s0, scale, block_k, bounded, interpret,
-                    g_min, split):
+                    g_min, state_pass, split):
   del split  # the backward's option
   return _kda_fwd_impl(q, k, v, g, beta, s0, scale=scale, block_k=block_k,
-                       bounded=bounded, interpret=interpret, g_min=g_min)
+                       bounded=bounded, interpret=interpret, g_min=g_min,
+                       state_pass=state_pass)
 
 
 def _vjp_fwd(q, k, v, g, beta, s0, scale, block_k, bounded, interpret, g_min,
-             split):
+             state_pass, split):
   del split  # the backward's option
   # The forward keeps what its intra kernel built (b, W, U, Aqk, M, Lk, qg,
   # kg, ec): the backward does not re-run that kernel (H200, B1 T32768 H16
   # D128: 3.6 ms). g itself only when the clamp needs its mask.
   out, intra = _kda_fwd_impl(
       q, k, v, g, beta, s0, scale=scale, block_k=block_k, bounded=bounded,
-      interpret=interpret, g_min=g_min, for_backward=True)
+      interpret=interpret, g_min=g_min, state_pass=state_pass,
+      for_backward=True)
   return out, (q, k, v, beta, s0, intra, None if g_min is None else g)
 
 
-def _vjp_bwd(scale, block_k, bounded, interpret, g_min, split, res, cts):
+def _vjp_bwd(scale, block_k, bounded, interpret, g_min, state_pass, split,
+             res, cts):
   q, k, v, beta, s0, intra, g = res
   do, ds_final = cts
   return _kda_bwd_impl(q, k, v, beta, s0, intra, g, do, ds_final,
                        scale=scale, block_k=block_k, bounded=bounded,
-                       interpret=interpret, g_min=g_min, split=split)
+                       interpret=interpret, g_min=g_min,
+                       state_pass=state_pass, split=split)
 
 
 _kda_pallas_vjp.defvjp(_vjp_fwd, _vjp_bwd)
@@ -844,7 +875,7 @@ _kda_pallas_vjp.defvjp(_vjp_fwd, _vjp_bwd)
 
 def kda_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min,
                interpret=False, bounded=None, block_k=None,
-               split_grad_k=None):
+               split_grad_k=None, state_pass=None):
   """Chunked KDA, forward and backward as Pallas kernels (jax.custom_vjp).
 
   Args:
@@ -863,6 +894,9 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min,
     split_grad_k: run the backward's contractions over V in a kernel of
       their own before grad_k (default SPLIT_GRAD_K; an ablation knob until
       timed on a card, results/kernels.md session 16).
+    state_pass: "triton" or "mosaic": the sequential state and dstate
+      passes as Triton or Mosaic GPU (wgmma) kernels (default STATE_PASS).
+      "mosaic" needs bf16 inputs and K > 32.
   Returns:
     o [B, T, H, V] in v.dtype, final state [B, H, K, V] fp32.
   """
@@ -892,9 +926,18 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min,
   if not isinstance(split, bool):
     raise ValueError(f"split_grad_k must be None, True or False, got "
                      f"{split_grad_k!r}")
+  passes = STATE_PASS if state_pass is None else state_pass
+  if passes not in STATE_PASSES:
+    raise ValueError(f"state_pass must be one of {STATE_PASSES} or None, got "
+                     f"{state_pass!r}")
+  if passes == "mosaic":
+    kp = _next_pow2(dk)
+    state_mosaic.check_state_pass(kp, dv, v.dtype, kp, BLOCK_V_PASS,
+                                  state_mosaic.default_layout(interpret),
+                                  whole_k=True)
   return _kda_pallas_vjp(q, k, v, g.astype(_F32), beta,
                          initial_state.astype(_F32), scale, int(block_k),
-                         bool(bounded), bool(interpret), clamp, split)
+                         bool(bounded), bool(interpret), clamp, passes, split)
 
 
 def register():

@@ -1,0 +1,445 @@
+"""The sequential state passes of chunked GLA and KDA on Mosaic GPU (wgmma).
+
+DESIGN 3.2 / 4; issue 3 ("then try Mosaic GPU for the matmul-heavy
+stages"). The Triton passes (`kda_pallas._state_kernel` / `_dstate_kernel`,
+`gla_pallas._state_kernel` / `_dstate_kernel`) are the reference these
+kernels are tested against; they are an opt-in alternative
+(`state_pass="mosaic"` on either op) until a card says they pay
+(results/kernels.md, session 17).
+
+One program per (batch, head, K block of bk, V block of bv), sequential
+over the chunks (S [bk, bv] fp32 held in registers as a wgmma accumulator;
+rows = the C = 64 rows of chunk n; every product below is ONE warpgroup
+MMA, M = C or M = bk, so bk is a multiple of 64):
+  forward (`state_pass`), n = 0 .. N-1, S = the state entering chunk n:
+    states[n] = S                                   (matmul dtype)
+    KDA: X = U - W S,  v_new[rows] = X              (X in the matmul dtype)
+    GLA: X = v
+    S <- diag(exp(b_C)) S + (k exp(b_C - b))^T X
+  GLA reverse (`gla_dstate_pass`), n = N-1 .. 0, dH = grad wrt the state
+  leaving chunk n:
+    dstates[n] = dH;  dH <- diag(exp(b_C)) dH + scale (q exp(b))^T dO
+  KDA reverse (`kda_dstate_pass`):
+    dstates[n] = dH;  dV' = dV'_intra + (k exp(b_C - b)) dH
+    dH <- diag(exp(b_C)) dH + scale (q exp(b))^T dO - W^T dV'
+KDA needs all of K in one program (W S and kg dH sum over K): bk = Kp.
+The inputs of the next chunk are fetched by TMA into the other of two
+shared-memory slots while this one computes; the outputs leave by TMA
+stores from shared memory, overlapped with the next chunk.
+
+The operands used transposed (kg in the forward; qg and W in the reverse
+passes) come in one of two layouts (`layout`):
+  * "rows": as the intra kernel stores them, [B, Tp, H, Kp]; each chunk is
+    loaded as [C, bk] and fed to wgmma transposed (the hardware reads a
+    16-bit operand either way). JAX 0.10's GPU interpreter cannot run a
+    transposed operand (0.11's can), so on 0.10 this layout is checked by
+    lowering only.
+  * "cols": their transposes [B, H, Kp, Tp], made by XLA before the call
+    (one extra pass each); runs in every interpreter.
+
+bf16 operands only: wgmma on fp32 operands is TF32, which would break the
+fp32 path's IEEE contract (Precision.HIGHEST); fp32 callers keep Triton.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+try:
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+except ImportError:  # pragma: no cover - every supported jax has it
+  plgpu = None
+
+from pallas_kernels.linear_attention.chunk_common import CHUNK
+
+_F32 = jnp.float32
+LAYOUTS = ("rows", "cols")
+STATE_PASSES = ("triton", "mosaic")   # the ops' state_pass choices
+BLOCK_V = 16        # V block per program: B1 H16 V128 -> 128 programs
+_SLOTS = 2          # double-buffered inputs and outputs
+SMEM_LIMIT = 227 * 1024   # bytes of shared memory per block on sm_90
+
+
+def _interpret_params(interpret):
+  """plgpu.kernel's `interpret`: the GPU interpreter (the generic HLO one
+  has no rule for TMA copies)."""
+  if not interpret:
+    return None
+  cls = getattr(plgpu, "InterpretGPUParams", None)
+  if cls is None:  # jax 0.10: not yet exported
+    from jax._src.pallas.mosaic_gpu.interpret import params  # pylint: disable=g-import-not-at-top
+    cls = params.InterpretGPUParams
+  return cls()
+
+
+def default_layout(interpret):
+  """"rows" (wgmma reads the operand transposed), except in a GPU
+  interpreter that cannot (jax 0.10): "cols"."""
+  return "cols" if interpret and not interpreter_transposes() else "rows"
+
+
+def as_layout(x, layout):
+  """A transposed operand [B, Tp, H, Kp] in `layout`: itself ("rows") or
+  [B, H, Kp, Tp] ("cols", an XLA transpose)."""
+  return x if layout == "rows" else jnp.transpose(x, (0, 2, 3, 1))
+
+
+def interpreter_transposes():
+  """Whether this jax's GPU interpreter runs transposed wgmma operands
+  (kg_layout="rows"): 0.11 and later."""
+  return hasattr(plgpu, "InterpretGPUParams")
+
+
+def _mma_transforms(swizzle, dtype):
+  """Tiling and swizzle of a 16-bit wgmma operand in shared memory: rows of
+  8 x (swizzle / 2) elements. Both operands of one wgmma need the same
+  swizzle, so every operand here takes the one the narrowest (the [., bv]
+  block) allows."""
+  return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+          plgpu.SwizzleTransform(swizzle))
+
+
+def _load(ref, layout, interpret):
+  """All of a shared-memory ref, in `layout` (the wgmma accumulator's, or
+  its row vector's, so that it combines with the accumulator). A plain load
+  cast to the layout (the cast is the lowering's layout hint for the load):
+  jax 0.10's GPU interpreter runs neither plgpu.load(..., layout=) on a
+  tiled ref nor layout_cast, and models no layouts, so it gets the plain
+  load."""
+  x = ref[...]
+  return x if interpret else plgpu.layout_cast(x, layout)
+
+
+def check_state_pass(kp, dv, dtype, bk, bv, layout, whole_k):
+  """Limits of the Mosaic state pass (ValueError names the field)."""
+  if plgpu is None:
+    raise ValueError("state_pass='mosaic' needs jax.experimental.pallas."
+                     "mosaic_gpu, absent from this jax")
+  if jnp.dtype(dtype) != jnp.bfloat16:
+    raise ValueError("state_pass='mosaic' takes bfloat16 inputs only (wgmma "
+                     "on float32 is TF32), got "
+                     f"{jnp.dtype(dtype).name}; use state_pass='triton'")
+  if kp % 64:
+    raise ValueError("state_pass='mosaic' needs K (padded to a power of two) "
+                     f"a multiple of 64, got {kp}; use state_pass='triton'")
+  if bk not in (64, 128, 256) or kp % bk or (whole_k and bk != kp):
+    allowed = f"K={kp}" if whole_k else f"64, 128 or 256 dividing K={kp}"
+    raise ValueError(f"state_pass='mosaic' block_k must be {allowed} (the "
+                     f"wgmma M dim), got block_k={bk!r}")
+  if bv not in (16, 32, 64) or dv % bv:
+    raise ValueError(f"state_pass='mosaic' block_v must be 16, 32 or 64 and "
+                     f"divide V={dv}, got block_v={bv!r}")
+  if layout not in LAYOUTS:
+    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def _transposed_if(ref, layout):
+  """The [bk, C] view of a transposed operand's slot."""
+  return ref.transpose((1, 0)) if layout == "rows" else ref
+
+
+def _keys_rows(ref, b, h, keys, rows, layout):
+  """Chunk `rows`, K block `keys` of a transposed operand in GMEM: [C, bk]
+  of [B, Tp, H, Kp] ("rows") or [bk, C] of [B, H, Kp, Tp] ("cols")."""
+  return ref.at[b, rows, h, keys] if layout == "rows" else ref.at[
+      b, h, keys, rows]
+
+
+def _smem(shape, dtype, swizzle=None):
+  """Two slots of a [shape] buffer; wgmma operands (swizzle given) tiled
+  and swizzled."""
+  transforms = () if swizzle is None else _mma_transforms(swizzle, dtype)
+  return plgpu.SMEM((_SLOTS,) + shape, dtype, transforms=transforms)
+
+
+def _state_smem(bk, bv):
+  """The fp32 state buffer (initial state in, final state out), swizzled so
+  that moving the accumulator's fragments needs no bank-conflicted
+  transfer."""
+  return plgpu.SMEM((bk, bv), _F32,
+                    transforms=_mma_transforms(min(128, bv * 4), _F32))
+
+
+def _mma(a, b, shape):
+  """a @ b (refs in shared memory) into a fresh fp32 accumulator. Zero-
+  initialised plus an add by the caller, not ACC.init: the GPU interpreter
+  has no rule for an initialised accumulator; the add costs shape / 128
+  registers per lane."""
+  def body(acc):
+    plgpu.wgmma(acc, a, b)
+    return acc[...]
+  return pl.run_scoped(body, plgpu.ACC(shape, _F32))
+
+
+def _run_pass(streams, bars, *, n_chunks, reverse, stores, step, carry):
+  """The chunk loop shared by every pass.
+
+  streams: (gmem_slice(n) -> GMEM ref view, smem slots) per input; chunk
+  r's inputs are fetched into slot r % 2 (barrier i * 2 + slot) while chunk
+  r - 1 computes. step(n, slot, carry) -> carry runs chunk n = r (or
+  N - 1 - r with reverse) once its inputs are in; before it, the TMA
+  stores of chunk r - 2 (`stores` per chunk) have finished reading the
+  output slot it reuses.
+  """
+  def fetch(r, slot):
+    n = n_chunks - 1 - r if reverse else r
+    for i, (src, dst) in enumerate(streams):
+      plgpu.copy_gmem_to_smem(src(n), dst.at[slot], bars.at[i * _SLOTS + slot])
+
+  fetch(0, 0)
+
+  def body(r, carry):
+    slot = jax.lax.rem(r, _SLOTS)
+
+    @pl.when(r + 1 < n_chunks)
+    def _prefetch():  # the other slot's last reader (chunk r - 1) is done
+      fetch(r + 1, 1 - slot)
+
+    for i in range(len(streams)):
+      plgpu.barrier_wait(bars.at[i * _SLOTS + slot])
+    plgpu.wait_smem_to_gmem(stores, wait_read_only=True)
+    n = n_chunks - 1 - r if reverse else r
+    return step(n, slot, carry)
+
+  return jax.lax.fori_loop(0, n_chunks, body, carry)
+
+
+def _program_ids(bk, bv):
+  b, h = jax.lax.axis_index("b"), jax.lax.axis_index("h")
+  keys = pl.ds(jax.lax.axis_index("i") * bk, bk)     # this program's K block
+  cols = pl.ds(jax.lax.axis_index("j") * bv, bv)     # and V block
+  return b, h, keys, cols
+
+
+def _load_state(s0_g, f32_s, bar, b, h, keys, cols, interpret):
+  plgpu.copy_gmem_to_smem(s0_g.at[b, h, keys, cols], f32_s, bar)
+  plgpu.barrier_wait(bar)
+  return _load(f32_s, plgpu.Layout.WGMMA, interpret)
+
+
+def _store_state(s, f32_s, sfin_g, b, h, keys, cols):
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  f32_s[...] = s
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(f32_s, sfin_g.at[b, h, keys, cols])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _to_gmem(value, slot_ref, dst):
+  """value -> a shared-memory slot -> dst by TMA (not awaited here)."""
+  slot_ref[...] = value
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(slot_ref, dst)
+
+
+def _decay(ec_ref, s, interpret):
+  """diag(ec) s: ec [bk] from shared memory as the accumulator's rows."""
+  ec = _load(ec_ref, plgpu.Layout.WGMMA.reduce(1), interpret)
+  return jax.lax.broadcast_in_dim(ec, s.shape, (0,)) * s
+
+
+def _state_kernel(*refs, n_chunks, bk, bv, has_w, reverse, scale, layout,
+                  mm, interpret):
+  """The forward pass (GLA, KDA with W) and GLA's reverse pass (reverse,
+  scale; kg -> qg, x -> dO)."""
+  if has_w:
+    (kg_g, x_g, w_g, ec_g, s0_g, states_g, vnew_g, sfin_g,
+     kg_s, x_s, w_s, ec_s, s_s, xo_s, f32_s, bars, s0_bar) = refs
+  else:
+    (kg_g, x_g, ec_g, s0_g, states_g, sfin_g,
+     kg_s, x_s, ec_s, s_s, f32_s, bars, s0_bar) = refs
+  b, h, keys, cols = _program_ids(bk, bv)
+  rows = lambda n: pl.ds(n * CHUNK, CHUNK)  # noqa: E731
+  streams = [
+      (lambda n: _keys_rows(kg_g, b, h, keys, rows(n), layout), kg_s),
+      (lambda n: x_g.at[b, rows(n), h, cols], x_s),
+      (lambda n: ec_g.at[b, h, n, keys], ec_s)]
+  if has_w:
+    streams.append((lambda n: w_g.at[b, rows(n), h], w_s))
+
+  def step(n, slot, s):
+    _to_gmem(s.astype(mm), s_s.at[slot], states_g.at[b, h, n, keys, cols])
+    x_ref = x_s.at[slot]
+    if has_w:   # V' = U - W S, stored, and the operand of the update
+      u = _load(x_ref, plgpu.Layout.WGMMA, interpret).astype(_F32)
+      v_new = u - _mma(w_s.at[slot], s_s.at[slot], (CHUNK, bv))
+      x_ref = xo_s.at[slot]
+      _to_gmem(v_new.astype(mm), x_ref, vnew_g.at[b, rows(n), h, cols])
+    upd = _mma(_transposed_if(kg_s.at[slot], layout), x_ref, (bk, bv))
+    return _decay(ec_s.at[slot], s, interpret) + (
+        upd if scale == 1.0 else scale * upd)
+
+  s0 = _load_state(s0_g, f32_s, s0_bar, b, h, keys, cols, interpret)
+  s = _run_pass(streams, bars, n_chunks=n_chunks, reverse=reverse,
+                stores=2 if has_w else 1, step=step, carry=s0)
+  _store_state(s, f32_s, sfin_g, b, h, keys, cols)
+
+
+def _kda_dstate_kernel(qg_g, kg_g, w_g, ec_g, do_g, dvi_g, dsf_g,
+                       dstates_g, dvnew_g, ds0_g,
+                       qg_s, kg_s, w_s, ec_s, do_s, dvi_s, dh_s, dvn_s, f32_s,
+                       bars, s0_bar, *, n_chunks, kp, bv, scale, layout, mm,
+                       interpret):
+  b, h, keys, cols = _program_ids(kp, bv)
+  rows = lambda n: pl.ds(n * CHUNK, CHUNK)  # noqa: E731
+  streams = [
+      (lambda n: _keys_rows(qg_g, b, h, keys, rows(n), layout), qg_s),
+      (lambda n: kg_g.at[b, rows(n), h], kg_s),
+      (lambda n: _keys_rows(w_g, b, h, keys, rows(n), layout), w_s),
+      (lambda n: ec_g.at[b, h, n], ec_s),
+      (lambda n: do_g.at[b, rows(n), h, cols], do_s),
+      (lambda n: dvi_g.at[b, rows(n), h, cols], dvi_s)]
+
+  def step(n, slot, dh):
+    _to_gmem(dh.astype(mm), dh_s.at[slot], dstates_g.at[b, h, n, :, cols])
+    dvi = _load(dvi_s.at[slot], plgpu.Layout.WGMMA, interpret)
+    dv_new = dvi + _mma(kg_s.at[slot], dh_s.at[slot], (CHUNK, bv))
+    _to_gmem(dv_new.astype(mm), dvn_s.at[slot],
+             dvnew_g.at[b, rows(n), h, cols])
+    q_do = _mma(_transposed_if(qg_s.at[slot], layout), do_s.at[slot],
+                (kp, bv))
+    w_dv = _mma(_transposed_if(w_s.at[slot], layout), dvn_s.at[slot],
+                (kp, bv))
+    return _decay(ec_s.at[slot], dh, interpret) + scale * q_do - w_dv
+
+  dh = _load_state(dsf_g, f32_s, s0_bar, b, h, keys, cols, interpret)
+  dh = _run_pass(streams, bars, n_chunks=n_chunks, reverse=True, stores=2,
+                 step=step, carry=dh)
+  _store_state(dh, f32_s, ds0_g, b, h, keys, cols)
+
+
+def _smem_bytes(scratch):
+  return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+             for x in scratch if hasattr(x, "shape"))
+
+
+def _launch(kernel, args, out_type, scratch, *, bsz, h, nk, nv, interpret,
+            name):
+  nbytes = _smem_bytes(scratch)
+  if nbytes > SMEM_LIMIT:
+    raise ValueError(
+        f"state_pass='mosaic' needs {nbytes} bytes of shared memory per "
+        f"block at these sizes (limit {SMEM_LIMIT}); use a smaller block_v "
+        "or state_pass='triton'")
+  call = plgpu.kernel(
+      kernel, out_type=out_type, scratch_types=scratch,
+      grid=(bsz, h, nk, nv), grid_names=("b", "h", "i", "j"),
+      kernel_name=name, interpret=_interpret_params(interpret))
+  return tuple(call(*args))
+
+
+def _sizes(x, s0, bk, bv, layout, whole_k):
+  bsz, tp, h, dv = x.shape
+  kp = s0.shape[2]
+  bk = kp if bk is None else bk
+  check_state_pass(kp, dv, x.dtype, bk, bv, layout, whole_k)
+  return bsz, tp, h, dv, kp, bk, tp // CHUNK
+
+
+def _gla_like_pass(kg, x, ec, s0, w, *, bk, bv, layout, reverse, scale,
+                   interpret, name):
+  bsz, tp, h, dv, kp, bk, n_chunks = _sizes(x, s0, bk, bv, layout,
+                                            whole_k=w is not None)
+  mm, has_w = x.dtype, w is not None
+  swz = bv * jnp.dtype(mm).itemsize            # one swizzle for all operands
+  scratch = [_smem((CHUNK, bk) if layout == "rows" else (bk, CHUNK), mm, swz),
+             _smem((CHUNK, bv), mm, swz)]
+  if has_w:
+    scratch.append(_smem((CHUNK, kp), mm, swz))
+  scratch += [_smem((bk,), _F32), _smem((bk, bv), mm, swz)]
+  if has_w:
+    scratch.append(_smem((CHUNK, bv), mm, swz))
+  scratch += [_state_smem(bk, bv),
+              plgpu.Barrier(num_barriers=(4 if has_w else 3) * _SLOTS),
+              plgpu.Barrier()]
+  out_type = [jax.ShapeDtypeStruct((bsz, h, n_chunks, kp, dv), mm)]
+  if has_w:
+    out_type.append(jax.ShapeDtypeStruct((bsz, tp, h, dv), mm))
+  out_type.append(jax.ShapeDtypeStruct((bsz, h, kp, dv), _F32))
+  kernel = functools.partial(
+      _state_kernel, n_chunks=n_chunks, bk=bk, bv=bv, has_w=has_w,
+      reverse=reverse, scale=float(scale), layout=layout, mm=mm,
+      interpret=bool(interpret))
+  args = (kg, x) + ((w,) if has_w else ()) + (ec, s0)
+  return _launch(kernel, args, out_type, scratch, bsz=bsz, h=h,
+                 nk=kp // bk, nv=dv // bv, interpret=interpret, name=name)
+
+
+def state_pass(kg, x, ec, s0, w=None, *, bk=None, bv=BLOCK_V, layout="rows",
+               interpret=False):
+  """The forward state pass (GLA; KDA with w).
+
+  Args:
+    kg: k exp(b_C - b) in bf16, [B, Tp, H, Kp] (layout "rows") or its
+      transpose [B, H, Kp, Tp] ("cols"); Tp a multiple of 64, Kp of 64.
+    x: [B, Tp, H, V] bf16: U (KDA, with w) or v (GLA).
+    ec: exp(b_C) [B, H, N, Kp] fp32, N = Tp / 64.
+    s0: the initial state [B, H, Kp, V] fp32.
+    w: KDA's W [B, Tp, H, Kp] bf16 (always "rows"), or None (GLA).
+    bk: K block per program (None: all of Kp, which KDA needs). 64, 128 or
+      256.
+    bv: V block per program (16, 32 or 64).
+    interpret: run in the GPU interpreter (CPU).
+  Returns:
+    states [B, H, N, Kp, V] bf16 (the state entering each chunk), then
+    v_new [B, Tp, H, V] bf16 (KDA only: U - W S per chunk), then the final
+    state [B, H, Kp, V] fp32.
+  """
+  return _gla_like_pass(
+      kg, x, ec, s0, w, bk=bk, bv=bv, layout=layout, reverse=False, scale=1.0,
+      interpret=interpret,
+      name="kda_state_pass_mosaic" if w is not None else
+      "gla_state_pass_mosaic")
+
+
+def gla_dstate_pass(qg, do, ec, ds_final, *, scale, bk=None, bv=BLOCK_V,
+                    layout="rows", interpret=False):
+  """GLA's reverse pass: qg = q exp(b) (layout as kg in state_pass), do
+  [B, Tp, H, V] bf16, ec [B, H, N, Kp], ds_final [B, H, Kp, V] fp32.
+  Returns dstates [B, H, N, Kp, V] bf16 (grad wrt the state leaving each
+  chunk) and dS_0 [B, H, Kp, V] fp32."""
+  return _gla_like_pass(qg, do, ec, ds_final, None, bk=bk, bv=bv,
+                        layout=layout, reverse=True, scale=scale,
+                        interpret=interpret, name="gla_dstate_pass_mosaic")
+
+
+def kda_dstate_pass(qg, kg, w, ec, do, dv_intra, ds_final, *, scale,
+                    bv=BLOCK_V, layout="rows", interpret=False):
+  """KDA's reverse pass.
+
+  Args:
+    qg, w: q exp(b) and W, bf16, [B, Tp, H, Kp] ("rows") or their
+      transposes [B, H, Kp, Tp] ("cols").
+    kg: k exp(b_C - b) [B, Tp, H, Kp] bf16 (used untransposed).
+    ec: exp(b_C) [B, H, N, Kp] fp32.
+    do: [B, Tp, H, V] bf16; dv_intra: scale Aqk^T dO [B, Tp, H, V] fp32.
+    ds_final: [B, H, Kp, V] fp32.
+  Returns:
+    dstates [B, H, N, Kp, V] bf16, dV' [B, Tp, H, V] bf16, dS_0 [B, H, Kp,
+    V] fp32.
+  """
+  bsz, tp, h, dv, kp, _, n_chunks = _sizes(do, ds_final, None, bv, layout,
+                                           whole_k=True)
+  mm = do.dtype
+  swz = bv * jnp.dtype(mm).itemsize
+  t_block = (CHUNK, kp) if layout == "rows" else (kp, CHUNK)
+  scratch = [_smem(t_block, mm, swz), _smem((CHUNK, kp), mm, swz),
+             _smem(t_block, mm, swz), _smem((kp,), _F32),
+             _smem((CHUNK, bv), mm, swz),
+             _smem((CHUNK, bv), _F32, min(128, bv * 4)),
+             _smem((kp, bv), mm, swz), _smem((CHUNK, bv), mm, swz),
+             _state_smem(kp, bv),
+             plgpu.Barrier(num_barriers=6 * _SLOTS), plgpu.Barrier()]
+  out_type = [jax.ShapeDtypeStruct((bsz, h, n_chunks, kp, dv), mm),
+              jax.ShapeDtypeStruct((bsz, tp, h, dv), mm),
+              jax.ShapeDtypeStruct((bsz, h, kp, dv), _F32)]
+  kernel = functools.partial(
+      _kda_dstate_kernel, n_chunks=n_chunks, kp=kp, bv=bv, scale=float(scale),
+      layout=layout, mm=mm, interpret=bool(interpret))
+  return _launch(kernel, (qg, kg, w, ec, do, dv_intra, ds_final), out_type,
+                 scratch, bsz=bsz, h=h, nk=1, nv=dv // bv,
+                 interpret=interpret, name="kda_dstate_pass_mosaic")

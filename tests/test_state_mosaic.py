@@ -1,0 +1,245 @@
+"""The Mosaic GPU state passes (state_mosaic.py) vs the Triton passes.
+
+Each pass runs in the GPU interpreter on CPU, tiny shapes: 3 chunks, K=128
+(GLA: two K blocks of 64), V=32 in two V blocks of 16, an initial state.
+The reference is the Triton kernel of the same pass (interpreted), itself
+tested against the naive recurrence in test_kda_pallas / test_gla_pallas.
+Layout "rows" (wgmma reads kg, qg, W transposed) needs an interpreter that
+runs transposed operands (jax >= 0.11); on jax 0.10 it is checked by
+lowering for cuda only (test_passes_lower_for_cuda, every jax). The ops
+with state_pass="mosaic" are checked end to end (values and gradients,
+T not a multiple of 64, bf16) against the Triton passes and the chunked
+reference.
+"""
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.linear_attention import chunk_gla_ref, chunk_kda_ref
+from pallas_kernels.linear_attention import gla_pallas as gla
+from pallas_kernels.linear_attention import kda_pallas as kda
+from pallas_kernels.linear_attention import state_mosaic as sm
+
+BF16 = jnp.bfloat16
+SCALE = 0.3
+N_CHUNKS, KP, DV = 3, 128, 32
+PASSES = ("kda_state", "gla_state", "gla_dstate", "kda_dstate")
+
+
+def rel_err(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+@pytest.fixture(scope="module")
+def pass_inputs():
+  ks = jax.random.split(jax.random.key(17), 8)
+  tp = N_CHUNKS * 64
+  seq_k, seq_v = (1, tp, 2, KP), (1, tp, 2, DV)
+  normal = lambda i, shape, s=1.0: s * jax.random.normal(ks[i], shape)  # noqa: E731
+  return dict(
+      kg=normal(0, seq_k, 0.3).astype(BF16), x=normal(1, seq_v).astype(BF16),
+      w=normal(2, seq_k, 0.1).astype(BF16), qg=normal(3, seq_k, 0.3).astype(BF16),
+      ec=jax.random.uniform(ks[4], (1, 2, N_CHUNKS, KP), minval=0.5,
+                            maxval=1.0),
+      s0=normal(5, (1, 2, KP, DV)), do=normal(6, seq_v).astype(BF16),
+      dvi=normal(7, seq_v))
+
+
+def _mosaic_call(name, d, layout, interpret=True):
+  """(function, args) of one Mosaic pass."""
+  t = functools.partial(sm.as_layout, layout=layout)
+  kw = dict(bv=16, layout=layout, interpret=interpret)
+  if name == "kda_state":
+    return (functools.partial(sm.state_pass, **kw),
+            (t(d["kg"]), d["x"], d["ec"], d["s0"], d["w"]))
+  if name == "gla_state":
+    return (functools.partial(sm.state_pass, bk=64, **kw),
+            (t(d["kg"]), d["x"], d["ec"], d["s0"]))
+  if name == "gla_dstate":
+    return (functools.partial(sm.gla_dstate_pass, scale=SCALE, bk=64, **kw),
+            (t(d["qg"]), d["do"], d["ec"], d["s0"]))
+  return (functools.partial(sm.kda_dstate_pass, scale=SCALE, **kw),
+          (t(d["qg"]), d["kg"], t(d["w"]), d["ec"], d["do"], d["dvi"],
+           d["s0"]))
+
+
+def _triton_pass(name, d):
+  lay = kda._layout(jnp.zeros(d["kg"].shape, BF16), d["x"], 32)
+  tune = gla.Tuning(pass_bk=64, pass_bv=16)
+  glay = gla._layout(jnp.zeros(d["kg"].shape, BF16), d["x"], tune)
+  if name == "kda_state":
+    return kda._state_call(d["w"], d["x"], d["kg"], d["ec"], d["s0"], lay,
+                           True)
+  if name == "gla_state":
+    return gla._state_call(d["kg"], d["x"], d["ec"], d["s0"], glay, tune,
+                           True)
+  if name == "gla_dstate":
+    return gla._dstate_call(d["qg"], d["do"], d["ec"], d["s0"], glay, SCALE,
+                            tune, True)
+  return kda._dstate_call(d["qg"], d["kg"], d["ec"], d["w"], d["do"],
+                          d["dvi"], d["s0"], lay, SCALE, True)
+
+
+@pytest.mark.parametrize("layout", sm.LAYOUTS)
+@pytest.mark.parametrize("name", PASSES)
+def test_pass_matches_triton(name, layout, pass_inputs):
+  if layout == "rows" and not sm.interpreter_transposes():
+    pytest.skip("this jax's GPU interpreter runs no transposed wgmma operand "
+                "(jax < 0.11); 'rows' is checked by lowering")
+  fn, args = _mosaic_call(name, pass_inputs, layout)
+  got = fn(*args)
+  want = _triton_pass(name, pass_inputs)
+  assert len(got) == len(want)
+  for i, (a, b) in enumerate(zip(got, want)):
+    assert a.shape == b.shape and a.dtype == b.dtype, (name, i)
+    assert np.all(np.isfinite(np.asarray(a, np.float32))), (name, i)
+    # Same operands and roundings; only the fp32 sums' order differs (a
+    # stored bf16 state may land one ulp apart).
+    assert rel_err(a, b) < 2e-3, (name, i, rel_err(a, b))
+  # The carried fp32 state (last output): bf16 operands of its updates
+  # (the stored states, KDA's V' / dV') may round one ulp apart.
+  assert rel_err(got[-1], want[-1]) < 1e-3
+
+
+@pytest.mark.parametrize("layout", sm.LAYOUTS)
+@pytest.mark.parametrize("name", PASSES)
+def test_passes_lower_for_cuda(name, layout, pass_inputs):
+  # The Pallas -> Mosaic GPU lowering (layouts, wgmma shapes and swizzles,
+  # TMA slices) runs on the CPU; compiling the module to a cubin needs a
+  # card.
+  fn, args = _mosaic_call(name, pass_inputs, layout, interpret=False)
+  text = jax.jit(fn).trace(*args).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+  assert f"{name}_pass_mosaic" in text
+
+
+# The ops end to end, bf16, T = 150 (3 chunks, the last partial), K = 64,
+# V = 32, an initial state, the bounded path.
+T, H, DK = 150, 2, 64
+
+
+def _op_inputs():
+  rng = np.random.default_rng(3)
+  normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+  k = normal(1, T, H, DK)
+  k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+  g = -5.0 * jax.nn.sigmoid(2.0 * normal(1, T, H, DK) - 2.0)
+  return dict(q=normal(1, T, H, DK).astype(BF16), k=k.astype(BF16),
+              v=normal(1, T, H, DV).astype(BF16), g=g,
+              beta=jax.nn.sigmoid(normal(1, T, H)),
+              s0=0.5 * normal(1, H, DK, DV),
+              do=normal(1, T, H, DV), ds=normal(1, H, DK, DV))
+
+
+def _op(name, state_pass):
+  if name == "kda":
+    def f(q, k, v, g, beta, s0):
+      return kda.kda_pallas(q, k, v, g, beta, scale=SCALE, initial_state=s0,
+                            chunk_size=64, g_min=-5.0, interpret=True,
+                            state_pass=state_pass)
+    return f
+  tune = gla.Tuning(state_pass=state_pass)
+
+  def f(q, k, v, g, beta, s0):
+    del beta
+    return gla.gla_pallas(q, k, v, g, scale=SCALE, initial_state=s0,
+                          chunk_size=64, g_min=-5.0, interpret=True,
+                          tune=tune)
+  return f
+
+
+def _run_op(name, state_pass, d):
+  args = tuple(d[n] for n in ("q", "k", "v", "g", "beta", "s0"))
+  out, vjp = jax.vjp(_op(name, state_pass), *args)
+  return out, vjp((d["do"].astype(BF16), d["ds"]))
+
+
+@pytest.fixture(scope="module")
+def op_runs():
+  d = _op_inputs()
+  return d, {(name, sp): _run_op(name, sp, d)
+             for name in ("kda", "gla") for sp in ("triton", "mosaic")}
+
+
+@pytest.mark.parametrize("name", ("kda", "gla"))
+def test_op_mosaic_matches_triton_and_reference(name, op_runs):
+  d, runs = op_runs
+  (o, s), grads = runs[(name, "mosaic")]
+  (o_t, s_t), grads_t = runs[(name, "triton")]
+  for a, b in zip((o, s) + tuple(grads), (o_t, s_t) + tuple(grads_t)):
+    assert np.all(np.isfinite(np.asarray(a, np.float32)))
+    assert rel_err(a, b) < 2e-3 if np.any(np.asarray(b)) else not np.any(
+        np.asarray(a))
+  up = lambda x: x.astype(jnp.float32)  # noqa: E731
+  if name == "kda":
+    o_ref, s_ref = chunk_kda_ref(up(d["q"]), up(d["k"]), up(d["v"]), d["g"],
+                                 d["beta"], scale=SCALE,
+                                 initial_state=d["s0"])
+  else:
+    o_ref, s_ref = chunk_gla_ref(up(d["q"]), up(d["k"]), up(d["v"]), d["g"],
+                                 scale=SCALE, initial_state=d["s0"])
+  assert rel_err(o, o_ref) < 1e-2 and rel_err(s, s_ref) < 1e-2
+
+
+@pytest.mark.parametrize("name", ("kda", "gla"))
+def test_op_runs_the_mosaic_kernels(name, op_runs):
+  d, _ = op_runs
+  args = tuple(d[n] for n in ("q", "k", "v", "g", "beta", "s0"))
+  traced = {sp: str(jax.make_jaxpr(
+      lambda *a, sp=sp: jax.vjp(_op(name, sp), *a)[0])(*args))
+            for sp in ("triton", "mosaic")}
+  triton_pass = re.compile(rf"\b{name}_state_pass\b(?!_mosaic)")
+  assert f"{name}_state_pass_mosaic" in traced["mosaic"]
+  assert not triton_pass.search(traced["mosaic"])
+  assert triton_pass.search(traced["triton"])
+  assert "_mosaic" not in traced["triton"]
+  grads = str(jax.make_jaxpr(lambda *a: _run_op(name, "mosaic", dict(
+      d, **dict(zip(("q", "k", "v", "g", "beta", "s0"), a))))[1])(*args))
+  assert f"{name}_dstate_pass_mosaic" in grads
+
+
+def test_bad_state_pass_inputs_name_the_field():
+  d = _op_inputs()
+  args = [d[n] for n in ("q", "k", "v", "g", "beta", "s0")]
+  with pytest.raises(ValueError, match="state_pass must be one of"):
+    kda.kda_pallas(*args[:5], scale=None, initial_state=args[5],
+                   chunk_size=64, g_min=-5.0, interpret=True,
+                   state_pass="cuda")
+  with pytest.raises(ValueError, match="tune.state_pass must be one of"):
+    gla.check_tuning(gla.Tuning(state_pass="cuda"))
+  fp32 = [a.astype(jnp.float32) for a in args]
+  with pytest.raises(ValueError, match="bfloat16 inputs only"):
+    kda.kda_pallas(*fp32[:5], scale=None, initial_state=fp32[5],
+                   chunk_size=64, g_min=-5.0, interpret=True,
+                   state_pass="mosaic")
+  narrow = [a[..., :32] if a.ndim == 4 and a.shape[-1] == DK else a
+            for a in args]
+  narrow[5] = args[5][:, :, :32]
+  with pytest.raises(ValueError, match="multiple of 64"):
+    gla.gla_pallas(*narrow[:4], scale=None, initial_state=narrow[5],
+                   chunk_size=64, g_min=-5.0, interpret=True,
+                   tune=gla.Tuning(state_pass="mosaic"))
+  with pytest.raises(ValueError, match="block_k must be"):
+    sm.check_state_pass(128, 32, BF16, 64, 16, "rows", whole_k=True)
+  with pytest.raises(ValueError, match="block_v must be"):
+    sm.check_state_pass(128, 32, BF16, 128, 8, "rows", whole_k=True)
+  with pytest.raises(ValueError, match="layout must be one of"):
+    sm.check_state_pass(128, 32, BF16, 128, 16, "diag", whole_k=True)
+
+
+def test_shared_memory_budget_is_checked():
+  # KDA's reverse pass at K=256: 3 double-buffered [64, 256] bf16 operands
+  # and the rest exceed 227 KB per block; the error says so before compiling.
+  tp, kp, dv = 128, 256, 32
+  z = lambda *s, dt=BF16: jnp.zeros(s, dt)  # noqa: E731
+  with pytest.raises(ValueError, match="bytes of shared memory"):
+    sm.kda_dstate_pass(z(1, tp, 1, kp), z(1, tp, 1, kp), z(1, tp, 1, kp),
+                       z(1, 1, 2, kp, dt=jnp.float32), z(1, tp, 1, dv),
+                       z(1, tp, 1, dv, dt=jnp.float32),
+                       z(1, 1, kp, dv, dt=jnp.float32), scale=1.0)

@@ -3,14 +3,16 @@ r"""Versions of a kernel module timed side by side, in one process (GPU).
 Call-to-call noise on the device machines is +-15% (results/kernels.md), so
 a change is judged against the version before it in the SAME process, on
 the same inputs. A version is the working tree's module ("main"), the same
-with the split backward ("main+split": kda_pallas split_grad_k / gla_pallas
-Tuning.split_grad_k), or any file holding an older copy of the module,
+with options ("main+split": the split backward, kda_pallas split_grad_k /
+gla_pallas Tuning.split_grad_k; "main+mosaic": the state and dstate passes
+on Mosaic GPU, state_pass="mosaic" / Tuning.state_pass; both:
+"main+split+mosaic"), or any file holding an older copy of the module,
 e.g. one taken from git before the device call:
 
   git show 8206e6d:pallas_kernels/linear_attention/kda_pallas.py \
       > /tmp/kda_8206e6d.py
   PYTHONPATH=. python -m experiments.ab_kernels \
-      --versions=kda:/tmp/kda_8206e6d.py,kda:main,kda:main+split \
+      --versions=kda:/tmp/kda_8206e6d.py,kda:main,kda:main+split,kda:main+mosaic \
       --shapes=1x32768,8x8192 --out=/tmp/ab
 
 Each version is timed like bench_kernels times the public op (bf16 q, k, v,
@@ -18,8 +20,9 @@ do; fp32 g in [-5, 0); bounded path, g_min = -5): a jit of the forward
 returning o, and a jit of jax.vjp returning o and the input gradients;
 median of --iters calls after two warm-up calls. Rows go to OUT/rows.jsonl
 as they come (partial results survive a timeout) and to a markdown table.
---interpret runs the kernels in interpret mode on small heads (a CPU smoke
-test; its milliseconds mean nothing).
+--interpret runs the kernels in interpret mode on small heads (H=2, D=32;
+D=64 when a version uses mosaic, which needs K >= 64): a CPU smoke test,
+its milliseconds mean nothing.
 """
 from __future__ import annotations
 
@@ -38,8 +41,8 @@ from experiments.timing import median_ms
 
 _VERSIONS = flags.DEFINE_list(
     "versions", ["kda:main", "kda:main+split", "gla:main", "gla:main+split"],
-    "op:version entries: op kda|gla; version main, main+split, or a path to "
-    "a .py copy of the op's kernel module.")
+    "op:version entries: op kda|gla; version main with options +split and/or "
+    "+mosaic, or a path to a .py copy of the op's kernel module.")
 _SHAPES = flags.DEFINE_list("shapes", ["1x32768", "8x8192"], "BxT shapes.")
 _ITERS = flags.DEFINE_integer("iters", 10, "Timed calls (median).")
 _OUT = flags.DEFINE_string("out", "/tmp/ab_kernels", "Output folder.")
@@ -48,25 +51,27 @@ _INTERPRET = flags.DEFINE_bool("interpret", False,
 
 G_MIN = -5.0
 OPS = ("kda", "gla")
+OPTIONS = ("split", "mosaic")
 
 
 def parse_versions(entries):
-  """[(label, op, module source, split)]; raises app.UsageError on a bad
+  """[(label, op, module source, options)]; raises app.UsageError on a bad
   entry, naming the flag and the allowed values."""
   out = []
   for entry in entries:
     op, _, version = entry.partition(":")
-    name, _, variant = version.partition("+")
-    ok = (op in OPS and variant in ("", "split")
-          and (name == "main" or (name.endswith(".py") and not variant)))
+    name, *options = version.split("+")
+    ok = (op in OPS and all(o in OPTIONS for o in options)
+          and len(set(options)) == len(options)
+          and (name == "main" or (name.endswith(".py") and not options)))
     if not ok:
       raise app.UsageError(
           f"--versions: bad entry {entry!r}; expected op:version with op one "
-          f"of {', '.join(OPS)} and version main, main+split or a path to a "
-          ".py file")
+          f"of {', '.join(OPS)} and version main (with options "
+          f"{', '.join('+' + o for o in OPTIONS)}) or a path to a .py file")
     if name != "main" and not os.path.isfile(name):
       raise app.UsageError(f"--versions: no such file {name!r} in {entry!r}")
-    out.append((entry, op, name, variant == "split"))
+    out.append((entry, op, name, frozenset(options)))
   return out
 
 
@@ -95,18 +100,21 @@ def make_inputs(bsz, t, h, d, seed=0):
       do=bf(jax.random.normal(keys[5], (bsz, t, h, d))))
 
 
-def jitted_fns(op, mod, split, interpret):
-  """(fwd, fwd_bwd) jits of the module's op on the bounded path."""
+def jitted_fns(op, mod, options, interpret):
+  """(fwd, fwd_bwd) jits of the module's op on the bounded path, with
+  `options` (a subset of OPTIONS)."""
   names = ("q", "k", "v", "g", "beta") if op == "kda" else ("q", "k", "v", "g")
   impl = mod.kda_pallas if op == "kda" else mod.gla_pallas
   kw = dict(scale=None, initial_state=None, chunk_size=64, g_min=G_MIN)
   if interpret:
     kw["interpret"] = True
-  if split:
+  if options:
+    split = "split" in options
+    passes = "mosaic" if "mosaic" in options else "triton"
     if op == "kda":
-      kw["split_grad_k"] = True
+      kw.update(split_grad_k=split, state_pass=passes)
     else:
-      kw["tune"] = mod.Tuning(split_grad_k=True)
+      kw["tune"] = mod.Tuning(split_grad_k=split, state_pass=passes)
   call = lambda d: impl(*[d[n] for n in names], **kw)[0]  # noqa: E731
 
   def fwd_bwd(x):
@@ -125,7 +133,8 @@ def main(argv):
     if not (b.isdigit() and t.isdigit()):
       raise app.UsageError(f"--shapes: bad entry {s!r}; expected BxT")
     shapes.append((int(b), int(t)))
-  h, d = (2, 32) if _INTERPRET.value else (16, 128)
+  mosaic = any("mosaic" in v[3] for v in versions)
+  h, d = ((2, 64 if mosaic else 32) if _INTERPRET.value else (16, 128))
   os.makedirs(_OUT.value, exist_ok=True)
   dev = jax.devices()[0]
   print(f"device: {dev.device_kind}, jax {jax.__version__}, H={h} D={d} bf16",
@@ -136,9 +145,9 @@ def main(argv):
         "|---|---|---|---|---|---|"]
   for bsz, t in shapes:
     x = make_inputs(bsz, t, h, d)
-    for label, op, source, split in versions:
+    for label, op, source, options in versions:
       try:
-        fwd, fwd_bwd = jitted_fns(op, load_module(op, source), split,
+        fwd, fwd_bwd = jitted_fns(op, load_module(op, source), options,
                                   _INTERPRET.value)
         t0 = time.perf_counter()
         jax.block_until_ready(fwd_bwd(x))

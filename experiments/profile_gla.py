@@ -7,12 +7,12 @@ so that a slow kernel is named rather than guessed.
 
   PYTHONPATH=. python -m experiments.profile_gla --out=/tmp/prof_gla
   PYTHONPATH=. python -m experiments.profile_gla \
-      --configs=bounded:32,bounded:32:split,unbounded:32
+      --configs=bounded:32,bounded:32:split,bounded:32:mosaic,unbounded:32
   PYTHONPATH=. python -m experiments.profile_gla --configs=bounded:32 \
       --tune=grad_k_warps=8,pass_bv=32
 
 --tune sets any field of gla_pallas.Tuning (name=int pairs) on top of each
-configuration's block_k and split.
+configuration's block_k, split and mosaic (Tuning.state_pass).
 """
 from __future__ import annotations
 
@@ -36,8 +36,9 @@ _H = flags.DEFINE_integer("h", 16, "Heads.")
 _D = flags.DEFINE_integer("d", 128, "K = V.")
 _CONFIGS = flags.DEFINE_list(
     "configs", ["bounded:32", "bounded:32:split", "unbounded:32"],
-    "path:block_k[:split] (split: the backward's contractions over V in "
-    "their own kernel, Tuning.split_grad_k).")
+    "path:block_k[:split][:mosaic] (split: the backward's contractions over "
+    "V in their own kernel, Tuning.split_grad_k; mosaic: the state and "
+    "dstate passes on Mosaic GPU, Tuning.state_pass).")
 _TUNE = flags.DEFINE_list("tune", [], "name=int pairs setting fields of "
                           "gla_pallas.Tuning (e.g. grad_k_warps=8).")
 _ITERS = flags.DEFINE_integer("iters", 10, "Timed iterations (median).")
@@ -49,7 +50,7 @@ _INT_FIELDS = tuple(f.name for f in dataclasses.fields(gp.Tuning)
 
 
 def parse_flags():
-  """[(label, bounded, block_k, split)] and the Tuning overrides; raises
+  """[(label, Tuning)] and the Tuning overrides; raises
   app.UsageError naming the flag and the allowed values."""
   overrides = {}
   for pair in _TUNE.value:
@@ -62,12 +63,14 @@ def parse_flags():
   configs = []
   for cfg in _CONFIGS.value:
     try:
-      bounded, block_k, split = parse_kernel_config(cfg)
-      gp.check_tuning(dataclasses.replace(
-          gp.DEFAULT_TUNING, block_k=block_k, **overrides))
+      c = parse_kernel_config(cfg)
+      tune = dataclasses.replace(
+          gp.DEFAULT_TUNING, block_k=c.block_k, split_grad_k=c.split,
+          state_pass="mosaic" if c.mosaic else "triton", **overrides)
+      gp.check_tuning(tune)
     except ValueError as e:
       raise app.UsageError(f"--configs / --tune: {e}") from None
-    configs.append((cfg, bounded, block_k, split))
+    configs.append((cfg, c.bounded, tune))
   return configs, overrides
 
 
@@ -99,21 +102,22 @@ def profile(x, bounded, tune, iters, interpret=False):
   qp, kp_, vp, gp_, dop = prep(q, k, v, g, do)
   s0p = jnp.zeros((bsz, h, kp, dv), jnp.float32)
   common = dict(lay=lay, tune=tune, interpret=interpret)
+  mosaic = " (mosaic)" if tune.state_pass == "mosaic" else ""
   c = {"prepare (XLA pads)": median_ms(lambda: prep(q, k, v, g, do), iters)}
   f = jax.jit(functools.partial(gp._intra_call, bounded=bounded, g_min=g_min,  # pylint: disable=protected-access
                                 for_backward=True, **common))
   c["1 intra (b, A, q exp(b), k exp(bC-b))"] = median_ms(
       lambda: f(qp, kp_, gp_), iters)
   aqk, qg, kg, ec, bp = f(qp, kp_, gp_)
-  f = jax.jit(functools.partial(gp._state_call, **common))  # pylint: disable=protected-access
-  c["2 state pass"] = median_ms(lambda: f(kg, vp, ec, s0p), iters)
+  f = jax.jit(functools.partial(gp._state_pass, **common))  # pylint: disable=protected-access
+  c["2 state pass" + mosaic] = median_ms(lambda: f(kg, vp, ec, s0p), iters)
   states, _ = f(kg, vp, ec, s0p)
   f = jax.jit(functools.partial(
       _output_call, lay=lay, scale=scale, dtype=v.dtype, interpret=interpret,
       num_warps=tune.output_warps, name="gla_chunk_output"))
   c["3 output"] = median_ms(lambda: f(qg, aqk, vp, states), iters)
-  f = jax.jit(functools.partial(gp._dstate_call, scale=scale, **common))  # pylint: disable=protected-access
-  c["b1 dstate pass"] = median_ms(lambda: f(qg, dop, ec, s0p), iters)
+  f = jax.jit(functools.partial(gp._dstate_pass, scale=scale, **common))  # pylint: disable=protected-access
+  c["b1 dstate pass" + mosaic] = median_ms(lambda: f(qg, dop, ec, s0p), iters)
   dstates, _ = f(qg, dop, ec, s0p)
   f = jax.jit(functools.partial(gp._dv_call, scale=scale, dtype=v.dtype,  # pylint: disable=protected-access
                                 bounded=bounded, **common))
@@ -148,9 +152,7 @@ def main(argv):
   print(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}  "
         f"B={_B.value} T={_T.value} H={_H.value} D={_D.value} bf16")
   x = inputs(_B.value, _T.value, _H.value, _D.value)
-  for label, bounded, block_k, split in configs:
-    tune = dataclasses.replace(gp.DEFAULT_TUNING, block_k=block_k,
-                               split_grad_k=split, **overrides)
+  for label, bounded, tune in configs:
     name = label + (" " + ",".join(_TUNE.value) if overrides else "")
     try:
       c = profile(x, bounded, tune, _ITERS.value, _INTERPRET.value)

@@ -13,6 +13,8 @@ per configuration, so that a slow kernel is named rather than guessed.
       --set_warps=state:4,grad_k:8
   PYTHONPATH=. python -m experiments.profile_kda \
       --configs=bounded:32,bounded:32:split   # grad_k fused vs split
+  PYTHONPATH=. python -m experiments.profile_kda \
+      --configs=bounded:32,bounded:32:mosaic  # Triton vs Mosaic GPU passes
 
 --warps=0 keeps each kernel's own warp count (kda_pallas.NUM_WARPS); N forces
 N warps on every kernel, so one sweep gives each kernel's best count.
@@ -38,9 +40,11 @@ _H = flags.DEFINE_integer("h", 16, "Heads.")
 _D = flags.DEFINE_integer("d", 128, "K = V.")
 _CONFIGS = flags.DEFINE_list("configs", ["bounded:128", "bounded:64",
                                          "bounded:32", "unbounded:32"],
-                             "path:block_k[:split] (split: the backward's "
-                             "contractions over V in their own kernel, "
-                             "kda_pallas split_grad_k).")
+                             "path:block_k[:split][:mosaic] (split: the "
+                             "backward's contractions over V in their own "
+                             "kernel, kda_pallas split_grad_k; mosaic: the "
+                             "state and dstate passes on Mosaic GPU, "
+                             "state_pass='mosaic').")
 _PASS_BV = flags.DEFINE_list("pass_bv", ["0"],
                               "0: default; N: V block width of the "
                               "sequential state passes (BLOCK_V_PASS).")
@@ -68,8 +72,11 @@ def inputs(b, t, h, d, seed=0):
   return bf(q), bf(k), bf(v), g, beta, bf(do)
 
 
-def profile(x, bounded, block_k, iters, interpret=False, split=False):
+def profile(x, bounded, block_k, iters, interpret=False, split=False,
+            mosaic=False):
   """{kernel name: ms} for one configuration."""
+  passes = "mosaic" if mosaic else "triton"
+  tag = " (mosaic)" if mosaic else ""
   q, k, v, g, beta, do = x
   bsz, _, h, dk = q.shape
   scale = dk ** -0.5
@@ -89,8 +96,9 @@ def profile(x, bounded, block_k, iters, interpret=False, split=False):
   c["1 intra (b, Aqk, Lk, M, W, U)"] = median_ms(
       lambda: f(qp, kp_, gp, betap, vp), iters)
   w, u, aqk, qg, kg, ec, bp, m, lk = f(qp, kp_, gp, betap, vp)
-  f = jax.jit(functools.partial(kp._state_call, lay=lay, interpret=interpret))  # pylint: disable=protected-access
-  c["2 state pass"] = median_ms(lambda: f(w, u, kg, ec, s0p), iters)
+  f = jax.jit(functools.partial(kp._state_pass, lay=lay, interpret=interpret,  # pylint: disable=protected-access
+                                state_pass=passes))
+  c["2 state pass" + tag] = median_ms(lambda: f(w, u, kg, ec, s0p), iters)
   states, v_new, _ = f(w, u, kg, ec, s0p)
   f = jax.jit(functools.partial(kp._output_call, lay=lay, scale=scale,  # pylint: disable=protected-access
                                 dtype=v.dtype, interpret=interpret,
@@ -101,9 +109,9 @@ def profile(x, bounded, block_k, iters, interpret=False, split=False):
                                 interpret=interpret))
   c["b1 dv_intra"] = median_ms(lambda: f(aqk, dop), iters)
   dvi = f(aqk, dop)
-  f = jax.jit(functools.partial(kp._dstate_call, lay=lay, scale=scale,  # pylint: disable=protected-access
-                                interpret=interpret))
-  c["b2 dstate pass"] = median_ms(
+  f = jax.jit(functools.partial(kp._dstate_pass, lay=lay, scale=scale,  # pylint: disable=protected-access
+                                interpret=interpret, state_pass=passes))
+  c["b2 dstate pass" + tag] = median_ms(
       lambda: f(qg, kg, ec, w, dop, dvi, dsfp), iters)
   dstates, dv_new, _ = f(qg, kg, ec, w, dop, dvi, dsfp)
   f = jax.jit(functools.partial(kp._grad_v_call, lay=lay, scale=scale,  # pylint: disable=protected-access
@@ -122,7 +130,7 @@ def profile(x, bounded, block_k, iters, interpret=False, split=False):
   run = lambda *a: kp.kda_pallas(  # noqa: E731
       *a, scale=None, initial_state=None, chunk_size=64, g_min=g_min,
       bounded=bounded, block_k=block_k, interpret=interpret,
-      split_grad_k=split)
+      split_grad_k=split, state_pass=passes)
   fwd = jax.jit(lambda q, k, v, g, beta: run(q, k, v, g, beta)[0])
 
   @jax.jit
@@ -168,15 +176,16 @@ def main(argv):
     kp.NUM_WARPS.update(overrides)
     kp.NUM_STAGES = stages or orig_stages
     jax.clear_caches()  # the jitted kernels read these when traced
-    for bounded, block_k, split in configs:
+    for bounded, block_k, split, mosaic in configs:
       path = "bounded" if bounded else "unbounded"
-      name = (f"{path} block_k={block_k}{' split' if split else ''} "
+      name = (f"{path} block_k={block_k}{' split' if split else ''}"
+              f"{' mosaic' if mosaic else ''} "
               f"warps={warps or 'default'}"
               f"{' ' + ','.join(_SET_WARPS.value) if overrides else ''} "
               f"stages={kp.NUM_STAGES} pass_bv={kp.BLOCK_V_PASS}")
       try:
         c = profile(x, bounded, block_k, _ITERS.value, _INTERPRET.value,
-                    split=split)
+                    split=split, mosaic=mosaic)
       except Exception as e:  # pylint: disable=broad-except
         print(f"{name} failed: {type(e).__name__}: {str(e)[:500]}")
         continue

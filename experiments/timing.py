@@ -1,6 +1,7 @@
 """Timing and config parsing shared by the GPU experiment scripts
 (flag-free, so that any of them can import it: the absl-flag modules cannot
 import each other)."""
+import collections
 import time
 
 import jax
@@ -23,14 +24,21 @@ def median_ms(fn, iters, warmup=2):
   return 1e3 * float(np.median(times))
 
 
+KernelConfig = collections.namedtuple("KernelConfig",
+                                      "bounded block_k split mosaic")
+KERNEL_CONFIG_FORM = "path:block_k[:split][:mosaic]"
+
+
 def parse_kernel_config(entry):
-  """(bounded, block_k, split) of a profiler's `path:block_k[:split]` entry
+  """KernelConfig of a profiler's `path:block_k[:split][:mosaic]` entry
   (path bounded or unbounded; split: the backward's contractions over V in
-  their own kernel). ValueError naming the form otherwise."""
+  their own kernel; mosaic: the state and dstate passes on Mosaic GPU).
+  ValueError naming the form otherwise."""
   path, _, rest = entry.partition(":")
-  block_k, _, opt = rest.partition(":")
+  block_k, *options = rest.split(":")
   if (path not in ("bounded", "unbounded") or not block_k.isdigit()
-      or opt not in ("", "split")):
+      or options not in ([], ["split"], ["mosaic"], ["split", "mosaic"])):
     raise ValueError(f"--configs: bad entry {entry!r}; expected "
-                     "path:block_k[:split] with path bounded or unbounded")
-  return path == "bounded", int(block_k), opt == "split"
+                     f"{KERNEL_CONFIG_FORM} with path bounded or unbounded")
+  return KernelConfig(path == "bounded", int(block_k), "split" in options,
+                      "mosaic" in options)

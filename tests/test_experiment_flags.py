@@ -30,9 +30,9 @@ def _run(*args):
     (("experiments.profile_kda", "--set_warps=grad_k:eight"), "--set_warps",
      "expected kernel:N"),
     (("experiments.profile_kda", "--configs=bounded:32:fused"), "--configs",
-     "path:block_k[:split]"),
+     "path:block_k[:split][:mosaic]"),
     (("experiments.ab_kernels", "--versions=kda:v2"), "--versions",
-     "version main, main+split or a path to a .py file"),
+     "version main (with options +split, +mosaic) or a path to a .py file"),
     (("experiments.ab_kernels", "--versions=gla:/no/such/gla.py"),
      "--versions", "no such file"),
     (("experiments.profile_gla", "--tune=warps=8"), "--tune",
@@ -59,27 +59,32 @@ def test_profile_kda_interpret_smoke(tmp_path):
 
 def test_ab_kernels_interpret_smoke(tmp_path):
   # An older copy of a kernel module is given as a file (here: a copy of
-  # the current one) and timed beside the working tree's, split or not.
+  # the current one) and timed beside the working tree's with both options
+  # (the split backward, the Mosaic GPU state passes).
   copy = tmp_path / "gla_copy.py"
   shutil.copy(os.path.join(_ROOT, "pallas_kernels", "linear_attention",
                            "gla_pallas.py"), copy)
   res = _run("experiments.ab_kernels", "--interpret", "--shapes=1x80",
-             "--iters=1", f"--versions=gla:{copy},gla:main+split",
+             "--iters=1", f"--versions=gla:{copy},gla:main+split+mosaic",
              f"--out={tmp_path}")
   assert res.returncode == 0, res.stderr[-2000:]
   rows = [json.loads(line) for line in open(tmp_path / "rows.jsonl")]
-  assert [r["version"] for r in rows] == [f"gla:{copy}", "gla:main+split"]
+  assert [r["version"] for r in rows] == [f"gla:{copy}",
+                                          "gla:main+split+mosaic"]
   assert all(math.isfinite(r["fwd_bwd_ms"]) and r["fwd_bwd_ms"] > 0
              for r in rows)
   assert (tmp_path / "ab.md").exists()
 
 
 def test_profile_gla_interpret_smoke(tmp_path):
+  # Both options: the split backward and the Mosaic GPU passes (K >= 64).
   res = _run("experiments.profile_gla", "--interpret", "--b=1", "--t=80",
-             "--h=1", "--d=32", "--configs=bounded:32:split", "--iters=1",
-             "--tune=grad_k_warps=8", f"--out={tmp_path}")
+             "--h=1", "--d=64", "--configs=bounded:32:split:mosaic",
+             "--iters=1", "--tune=grad_k_warps=8", f"--out={tmp_path}")
   assert res.returncode == 0, res.stderr[-2000:]
   [row] = [json.loads(line) for line in open(tmp_path / "rows.jsonl")]
   assert row["tune"]["grad_k_warps"] == 8 and row["tune"]["split_grad_k"]
+  assert row["tune"]["state_pass"] == "mosaic"
+  assert {"2 state pass (mosaic)", "b1 dstate pass (mosaic)"} <= set(row["ms"])
   assert len(row["ms"]) == 9   # 6 kernels, the XLA pads and two totals
   assert all(math.isfinite(ms) and ms > 0 for ms in row["ms"].values())

@@ -368,6 +368,17 @@ def _dstate_call(qg, dop, ec, dsfp, lay, scale, tune, interpret):
       qg, dop, ec, dsfp, lay, tune, interpret, "gla_dstate_pass")
 
 
+def _dstate_pass(qg, dop, ec, dsfp, lay, scale, tune, interpret):
+  """Kernel 4 as Triton or Mosaic GPU kernels (tune.state_pass)."""
+  if tune.state_pass == "mosaic":
+    layout = state_mosaic.default_layout(interpret)
+    return state_mosaic.gla_dstate_pass(
+        state_mosaic.as_layout(qg, layout), dop, ec, dsfp, scale=scale,
+        bk=lay["bk_pass"], bv=lay["bv_pass"], layout=layout,
+        interpret=interpret)
+  return _dstate_call(qg, dop, ec, dsfp, lay, scale, tune, interpret)
+
+
 def _dv_call(aqk, kg, vp, dop, dstates, lay, scale, dtype, bounded, tune,
              interpret):
   """Kernel 5: dv [B, Tp, H, V] in dtype and dA [B, H, Tp, C] (matmul dtype
@@ -460,15 +471,7 @@ def _gla_bwd(q, k, v, g, s0, intra, do, ds_final, *, scale, bounded, g_min,
                                          (0, 0)))
   aqk, qg, kg, ec, bp = intra
   states, _ = _state_pass(kg, vp, ec, s0p, lay, tune, interpret)
-  if tune.state_pass == "mosaic":
-    layout = state_mosaic.default_layout(interpret)
-    dstates, ds0 = state_mosaic.gla_dstate_pass(
-        state_mosaic.as_layout(qg, layout), dop, ec, dsfp, scale=scale,
-        bk=lay["bk_pass"], bv=lay["bv_pass"], layout=layout,
-        interpret=interpret)
-  else:
-    dstates, ds0 = _dstate_call(qg, dop, ec, dsfp, lay, scale, tune,
-                                interpret)
+  dstates, ds0 = _dstate_pass(qg, dop, ec, dsfp, lay, scale, tune, interpret)
   dvp, da = _dv_call(aqk, kg, vp, dop, dstates, lay, scale, v.dtype, bounded,
                      tune, interpret)
   gp = None if g_min is None else _pad(g, tp, kp)

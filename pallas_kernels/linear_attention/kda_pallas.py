@@ -695,6 +695,20 @@ def _dstate_call(qg, kg, ec, w, dop, dv_intra, dsfp, lay, scale, interpret):
   )(qg, kg, ec, w, dop, dv_intra, dsfp)
 
 
+def _dstate_pass(qg, kg, ec, w, dop, dv_intra, dsfp, lay, scale, interpret,
+                 state_pass):
+  """The reverse pass as Triton ("triton") or Mosaic GPU ("mosaic")
+  kernels."""
+  if state_pass == "mosaic":
+    layout = state_mosaic.default_layout(interpret)
+    return state_mosaic.kda_dstate_pass(
+        state_mosaic.as_layout(qg, layout), kg,
+        state_mosaic.as_layout(w, layout), ec, dop, dv_intra, dsfp,
+        scale=scale, bv=lay["bv_pass"], layout=layout, interpret=interpret)
+  return _dstate_call(qg, kg, ec, w, dop, dv_intra, dsfp, lay, scale,
+                      interpret)
+
+
 def _grad_v_call(m, lk, betap, vp, dop, v_new, dv_new, lay, scale, dtype,
                  bounded, interpret):
   """Per chunk, all of V: dv [B, Tp, H, V] in dtype; dU' [B, Tp, H, V] and,
@@ -816,15 +830,8 @@ def _kda_bwd_impl(q, k, v, beta, s0, intra, g, do, ds_final, *,
   states, v_new, _ = _state_pass(w, u, kg, ec, s0p, lay, interpret,
                                  state_pass)
   dv_intra = _dvintra_call(aqk, dop, lay, scale, interpret)
-  if state_pass == "mosaic":
-    layout = state_mosaic.default_layout(interpret)
-    dstates, dv_new, ds0 = state_mosaic.kda_dstate_pass(
-        state_mosaic.as_layout(qg, layout), kg,
-        state_mosaic.as_layout(w, layout), ec, dop, dv_intra, dsfp,
-        scale=scale, bv=lay["bv_pass"], layout=layout, interpret=interpret)
-  else:
-    dstates, dv_new, ds0 = _dstate_call(qg, kg, ec, w, dop, dv_intra, dsfp,
-                                        lay, scale, interpret)
+  dstates, dv_new, ds0 = _dstate_pass(qg, kg, ec, w, dop, dv_intra, dsfp,
+                                      lay, scale, interpret, state_pass)
   dvp, du, da, dlk, dbeta_v = _grad_v_call(m, lk, betap, vp, dop, v_new,
                                            dv_new, lay, scale, v.dtype,
                                            bounded, interpret)

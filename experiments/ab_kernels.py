@@ -5,8 +5,10 @@ a change is judged against the version before it in the SAME process, on
 the same inputs. A version is the working tree's module ("main"), the same
 with options ("main+split": the split backward, kda_pallas split_grad_k /
 gla_pallas Tuning.split_grad_k; "main+mosaic": the state and dstate passes
-on Mosaic GPU, state_pass="mosaic" / Tuning.state_pass; both:
-"main+split+mosaic"), or any file holding an older copy of the module,
+on Mosaic GPU, state_pass="mosaic" / Tuning.state_pass; "main+mosaic_out":
+the output kernel on Mosaic GPU, output_kernel / Tuning.output_kernel; any
+combination, e.g. "main+split+mosaic+mosaic_out"), or any file holding an
+older copy of the module,
 e.g. one taken from git before the device call:
 
   git show 8206e6d:pallas_kernels/linear_attention/kda_pallas.py \
@@ -41,8 +43,9 @@ from experiments.timing import median_ms
 
 _VERSIONS = flags.DEFINE_list(
     "versions", ["kda:main", "kda:main+split", "gla:main", "gla:main+split"],
-    "op:version entries: op kda|gla; version main with options +split and/or "
-    "+mosaic, or a path to a .py copy of the op's kernel module.")
+    "op:version entries: op kda|gla; version main with options +split, "
+    "+mosaic, +mosaic_out, or a path to a .py copy of the op's kernel "
+    "module.")
 _SHAPES = flags.DEFINE_list("shapes", ["1x32768", "8x8192"], "BxT shapes.")
 _ITERS = flags.DEFINE_integer("iters", 10, "Timed calls (median).")
 _OUT = flags.DEFINE_string("out", "/tmp/ab_kernels", "Output folder.")
@@ -51,7 +54,7 @@ _INTERPRET = flags.DEFINE_bool("interpret", False,
 
 G_MIN = -5.0
 OPS = ("kda", "gla")
-OPTIONS = ("split", "mosaic")
+OPTIONS = ("split", "mosaic", "mosaic_out")
 
 
 def parse_versions(entries):
@@ -111,10 +114,12 @@ def jitted_fns(op, mod, options, interpret):
   if options:
     split = "split" in options
     passes = "mosaic" if "mosaic" in options else "triton"
+    out = "mosaic" if "mosaic_out" in options else "triton"
     if op == "kda":
-      kw.update(split_grad_k=split, state_pass=passes)
+      kw.update(split_grad_k=split, state_pass=passes, output_kernel=out)
     else:
-      kw["tune"] = mod.Tuning(split_grad_k=split, state_pass=passes)
+      kw["tune"] = mod.Tuning(split_grad_k=split, state_pass=passes,
+                              output_kernel=out)
   call = lambda d: impl(*[d[n] for n in names], **kw)[0]  # noqa: E731
 
   def fwd_bwd(x):
@@ -133,7 +138,7 @@ def main(argv):
     if not (b.isdigit() and t.isdigit()):
       raise app.UsageError(f"--shapes: bad entry {s!r}; expected BxT")
     shapes.append((int(b), int(t)))
-  mosaic = any("mosaic" in v[3] for v in versions)
+  mosaic = any(v[3] & {"mosaic", "mosaic_out"} for v in versions)
   h, d = ((2, 64 if mosaic else 32) if _INTERPRET.value else (16, 128))
   os.makedirs(_OUT.value, exist_ok=True)
   dev = jax.devices()[0]

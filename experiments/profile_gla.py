@@ -7,12 +7,13 @@ so that a slow kernel is named rather than guessed.
 
   PYTHONPATH=. python -m experiments.profile_gla --out=/tmp/prof_gla
   PYTHONPATH=. python -m experiments.profile_gla \
-      --configs=bounded:32,bounded:32:split,bounded:32:mosaic,unbounded:32
+      --configs=bounded:32,bounded:32:split,bounded:32:mosaic:mosaic_out
   PYTHONPATH=. python -m experiments.profile_gla --configs=bounded:32 \
       --tune=grad_k_warps=8,pass_bv=32
 
 --tune sets any field of gla_pallas.Tuning (name=int pairs) on top of each
-configuration's block_k, split and mosaic (Tuning.state_pass).
+configuration's block_k and options (split: Tuning.split_grad_k; mosaic:
+Tuning.state_pass; mosaic_out: Tuning.output_kernel).
 """
 from __future__ import annotations
 
@@ -36,9 +37,10 @@ _H = flags.DEFINE_integer("h", 16, "Heads.")
 _D = flags.DEFINE_integer("d", 128, "K = V.")
 _CONFIGS = flags.DEFINE_list(
     "configs", ["bounded:32", "bounded:32:split", "unbounded:32"],
-    "path:block_k[:split][:mosaic] (split: the backward's contractions over "
-    "V in their own kernel, Tuning.split_grad_k; mosaic: the state and "
-    "dstate passes on Mosaic GPU, Tuning.state_pass).")
+    "path:block_k[:split][:mosaic][:mosaic_out] (split: the backward's "
+    "contractions over V in their own kernel, Tuning.split_grad_k; mosaic: "
+    "the state and dstate passes on Mosaic GPU, Tuning.state_pass; "
+    "mosaic_out: the output kernel on Mosaic GPU, Tuning.output_kernel).")
 _TUNE = flags.DEFINE_list("tune", [], "name=int pairs setting fields of "
                           "gla_pallas.Tuning (e.g. grad_k_warps=8).")
 _ITERS = flags.DEFINE_integer("iters", 10, "Timed iterations (median).")
@@ -66,7 +68,8 @@ def parse_flags():
       c = parse_kernel_config(cfg)
       tune = dataclasses.replace(
           gp.DEFAULT_TUNING, block_k=c.block_k, split_grad_k=c.split,
-          state_pass="mosaic" if c.mosaic else "triton", **overrides)
+          state_pass="mosaic" if c.mosaic else "triton",
+          output_kernel="mosaic" if c.mosaic_out else "triton", **overrides)
       gp.check_tuning(tune)
     except ValueError as e:
       raise app.UsageError(f"--configs / --tune: {e}") from None
@@ -114,8 +117,9 @@ def profile(x, bounded, tune, iters, interpret=False):
   states, _ = f(kg, vp, ec, s0p)
   f = jax.jit(functools.partial(
       _output_call, lay=lay, scale=scale, dtype=v.dtype, interpret=interpret,
-      num_warps=tune.output_warps, name="gla_chunk_output"))
-  c["3 output"] = median_ms(lambda: f(qg, aqk, vp, states), iters)
+      num_warps=tune.output_warps, name="gla_chunk_output",
+      kernel=tune.output_kernel))
+  c["3 output" + (" (mosaic)" if tune.output_kernel == "mosaic" else "")] = median_ms(lambda: f(qg, aqk, vp, states), iters)
   f = jax.jit(functools.partial(gp._dstate_pass, scale=scale, **common))  # pylint: disable=protected-access
   c["b1 dstate pass" + mosaic] = median_ms(lambda: f(qg, dop, ec, s0p), iters)
   dstates, _ = f(qg, dop, ec, s0p)

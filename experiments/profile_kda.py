@@ -14,7 +14,7 @@ per configuration, so that a slow kernel is named rather than guessed.
   PYTHONPATH=. python -m experiments.profile_kda \
       --configs=bounded:32,bounded:32:split   # grad_k fused vs split
   PYTHONPATH=. python -m experiments.profile_kda \
-      --configs=bounded:32,bounded:32:mosaic  # Triton vs Mosaic GPU passes
+      --configs=bounded:32,bounded:32:mosaic:mosaic_out  # Triton vs Mosaic
 
 --warps=0 keeps each kernel's own warp count (kda_pallas.NUM_WARPS); N forces
 N warps on every kernel, so one sweep gives each kernel's best count.
@@ -40,11 +40,12 @@ _H = flags.DEFINE_integer("h", 16, "Heads.")
 _D = flags.DEFINE_integer("d", 128, "K = V.")
 _CONFIGS = flags.DEFINE_list("configs", ["bounded:128", "bounded:64",
                                          "bounded:32", "unbounded:32"],
-                             "path:block_k[:split][:mosaic] (split: the "
-                             "backward's contractions over V in their own "
-                             "kernel, kda_pallas split_grad_k; mosaic: the "
-                             "state and dstate passes on Mosaic GPU, "
-                             "state_pass='mosaic').")
+                             "path:block_k[:split][:mosaic][:mosaic_out] "
+                             "(split: the backward's contractions over V in "
+                             "their own kernel, kda_pallas split_grad_k; "
+                             "mosaic: the state and dstate passes on Mosaic "
+                             "GPU, state_pass='mosaic'; mosaic_out: the "
+                             "output kernel on Mosaic GPU).")
 _PASS_BV = flags.DEFINE_list("pass_bv", ["0"],
                               "0: default; N: V block width of the "
                               "sequential state passes (BLOCK_V_PASS).")
@@ -73,9 +74,10 @@ def inputs(b, t, h, d, seed=0):
 
 
 def profile(x, bounded, block_k, iters, interpret=False, split=False,
-            mosaic=False):
+            mosaic=False, mosaic_out=False):
   """{kernel name: ms} for one configuration."""
   passes = "mosaic" if mosaic else "triton"
+  out_kernel = "mosaic" if mosaic_out else "triton"
   tag = " (mosaic)" if mosaic else ""
   q, k, v, g, beta, do = x
   bsz, _, h, dk = q.shape
@@ -103,8 +105,8 @@ def profile(x, bounded, block_k, iters, interpret=False, split=False,
   f = jax.jit(functools.partial(kp._output_call, lay=lay, scale=scale,  # pylint: disable=protected-access
                                 dtype=v.dtype, interpret=interpret,
                                 num_warps=kp.NUM_WARPS["output"],
-                                name="kda_chunk_output"))
-  c["3 output"] = median_ms(lambda: f(qg, aqk, v_new, states), iters)
+                                name="kda_chunk_output", kernel=out_kernel))
+  c["3 output" + (" (mosaic)" if mosaic_out else "")] = median_ms(lambda: f(qg, aqk, v_new, states), iters)
   f = jax.jit(functools.partial(kp._dvintra_call, lay=lay, scale=scale,  # pylint: disable=protected-access
                                 interpret=interpret))
   c["b1 dv_intra"] = median_ms(lambda: f(aqk, dop), iters)
@@ -130,7 +132,7 @@ def profile(x, bounded, block_k, iters, interpret=False, split=False,
   run = lambda *a: kp.kda_pallas(  # noqa: E731
       *a, scale=None, initial_state=None, chunk_size=64, g_min=g_min,
       bounded=bounded, block_k=block_k, interpret=interpret,
-      split_grad_k=split, state_pass=passes)
+      split_grad_k=split, state_pass=passes, output_kernel=out_kernel)
   fwd = jax.jit(lambda q, k, v, g, beta: run(q, k, v, g, beta)[0])
 
   @jax.jit
@@ -176,16 +178,17 @@ def main(argv):
     kp.NUM_WARPS.update(overrides)
     kp.NUM_STAGES = stages or orig_stages
     jax.clear_caches()  # the jitted kernels read these when traced
-    for bounded, block_k, split, mosaic in configs:
+    for bounded, block_k, split, mosaic, mosaic_out in configs:
       path = "bounded" if bounded else "unbounded"
       name = (f"{path} block_k={block_k}{' split' if split else ''}"
-              f"{' mosaic' if mosaic else ''} "
+              f"{' mosaic' if mosaic else ''}"
+              f"{' mosaic_out' if mosaic_out else ''} "
               f"warps={warps or 'default'}"
               f"{' ' + ','.join(_SET_WARPS.value) if overrides else ''} "
               f"stages={kp.NUM_STAGES} pass_bv={kp.BLOCK_V_PASS}")
       try:
         c = profile(x, bounded, block_k, _ITERS.value, _INTERPRET.value,
-                    split=split, mosaic=mosaic)
+                    split=split, mosaic=mosaic, mosaic_out=mosaic_out)
       except Exception as e:  # pylint: disable=broad-except
         print(f"{name} failed: {type(e).__name__}: {str(e)[:500]}")
         continue

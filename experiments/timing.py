@@ -24,21 +24,24 @@ def median_ms(fn, iters, warmup=2):
   return 1e3 * float(np.median(times))
 
 
-KernelConfig = collections.namedtuple("KernelConfig",
-                                      "bounded block_k split mosaic")
-KERNEL_CONFIG_FORM = "path:block_k[:split][:mosaic]"
+KernelConfig = collections.namedtuple(
+    "KernelConfig", "bounded block_k split mosaic mosaic_out")
+KERNEL_OPTIONS = ("split", "mosaic", "mosaic_out")
+KERNEL_CONFIG_FORM = "path:block_k[:split][:mosaic][:mosaic_out]"
 
 
 def parse_kernel_config(entry):
-  """KernelConfig of a profiler's `path:block_k[:split][:mosaic]` entry
-  (path bounded or unbounded; split: the backward's contractions over V in
-  their own kernel; mosaic: the state and dstate passes on Mosaic GPU).
+  """KernelConfig of a profiler's `path:block_k[:option]...` entry (path
+  bounded or unbounded; options, each at most once: split, the backward's
+  contractions over V in their own kernel; mosaic, the state and dstate
+  passes on Mosaic GPU; mosaic_out, the output kernel on Mosaic GPU).
   ValueError naming the form otherwise."""
   path, _, rest = entry.partition(":")
   block_k, *options = rest.split(":")
   if (path not in ("bounded", "unbounded") or not block_k.isdigit()
-      or options not in ([], ["split"], ["mosaic"], ["split", "mosaic"])):
+      or not set(options) <= set(KERNEL_OPTIONS)
+      or len(set(options)) != len(options)):
     raise ValueError(f"--configs: bad entry {entry!r}; expected "
                      f"{KERNEL_CONFIG_FORM} with path bounded or unbounded")
   return KernelConfig(path == "bounded", int(block_k), "split" in options,
-                      "mosaic" in options)
+                      "mosaic" in options, "mosaic_out" in options)

@@ -30,9 +30,10 @@ def _run(*args):
     (("experiments.profile_kda", "--set_warps=grad_k:eight"), "--set_warps",
      "expected kernel:N"),
     (("experiments.profile_kda", "--configs=bounded:32:fused"), "--configs",
-     "path:block_k[:split][:mosaic]"),
+     "path:block_k[:split][:mosaic][:mosaic_out]"),
     (("experiments.ab_kernels", "--versions=kda:v2"), "--versions",
-     "version main (with options +split, +mosaic) or a path to a .py file"),
+     "version main (with options +split, +mosaic, +mosaic_out) or a path to "
+     "a .py file"),
     (("experiments.ab_kernels", "--versions=gla:/no/such/gla.py"),
      "--versions", "no such file"),
     (("experiments.profile_gla", "--tune=warps=8"), "--tune",
@@ -79,12 +80,14 @@ def test_ab_kernels_interpret_smoke(tmp_path):
 def test_profile_gla_interpret_smoke(tmp_path):
   # Both options: the split backward and the Mosaic GPU passes (K >= 64).
   res = _run("experiments.profile_gla", "--interpret", "--b=1", "--t=80",
-             "--h=1", "--d=64", "--configs=bounded:32:split:mosaic",
+             "--h=1", "--d=64", "--configs=bounded:32:split:mosaic:mosaic_out",
              "--iters=1", "--tune=grad_k_warps=8", f"--out={tmp_path}")
   assert res.returncode == 0, res.stderr[-2000:]
   [row] = [json.loads(line) for line in open(tmp_path / "rows.jsonl")]
   assert row["tune"]["grad_k_warps"] == 8 and row["tune"]["split_grad_k"]
   assert row["tune"]["state_pass"] == "mosaic"
-  assert {"2 state pass (mosaic)", "b1 dstate pass (mosaic)"} <= set(row["ms"])
+  assert row["tune"]["output_kernel"] == "mosaic"
+  assert {"2 state pass (mosaic)", "3 output (mosaic)",
+          "b1 dstate pass (mosaic)"} <= set(row["ms"])
   assert len(row["ms"]) == 9   # 6 kernels, the XLA pads and two totals
   assert all(math.isfinite(ms) and ms > 0 for ms in row["ms"].values())

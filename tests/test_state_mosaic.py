@@ -1,15 +1,16 @@
-"""The Mosaic GPU state passes (state_mosaic.py) vs the Triton passes.
+"""The Mosaic GPU kernels (state_mosaic.py) vs the Triton kernels.
 
 Each pass runs in the GPU interpreter on CPU, tiny shapes: 3 chunks, K=128
 (GLA: two K blocks of 64), V=32 in two V blocks of 16, an initial state.
-The reference is the Triton kernel of the same pass (interpreted), itself
+The output kernel: K=128, V=128 in two blocks of 64, 4 chunks, two per
+program. The reference is the Triton kernel of the same stage (interpreted), itself
 tested against the naive recurrence in test_kda_pallas / test_gla_pallas.
 Layout "rows" (wgmma reads kg, qg, W transposed) needs an interpreter that
 runs transposed operands (jax >= 0.11); on jax 0.10 it is checked by
 lowering for cuda only (test_passes_lower_for_cuda, every jax). The ops
-with state_pass="mosaic" are checked end to end (values and gradients,
-T not a multiple of 64, bf16) against the Triton passes and the chunked
-reference.
+with state_pass="mosaic" and output_kernel="mosaic" are checked end to end
+(values and gradients, T not a multiple of 64, bf16) against the Triton
+kernels and the chunked reference.
 """
 import functools
 import re
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.linear_attention import chunk_common
 from pallas_kernels.linear_attention import chunk_gla_ref, chunk_kda_ref
 from pallas_kernels.linear_attention import gla_pallas as gla
 from pallas_kernels.linear_attention import kda_pallas as kda
@@ -119,6 +121,41 @@ def test_passes_lower_for_cuda(name, layout, pass_inputs):
   assert f"{name}_pass_mosaic" in text
 
 
+@pytest.fixture(scope="module")
+def output_inputs():
+  ks = jax.random.split(jax.random.key(23), 4)
+  n, kp, dv = 4, 128, 128
+  tp = n * 64
+  tril = jnp.tril(jax.random.normal(ks[1], (1, 2, n, 64, 64)))
+  return dict(qg=(0.3 * jax.random.normal(ks[0], (1, tp, 2, kp))).astype(BF16),
+              aqk=tril.reshape(1, 2, tp, 64).astype(BF16),
+              x=jax.random.normal(ks[2], (1, tp, 2, dv)).astype(BF16),
+              states=jax.random.normal(ks[3], (1, 2, n, kp, dv)).astype(BF16))
+
+
+def _mosaic_output(d, interpret=True):
+  fn = functools.partial(sm.output, scale=SCALE, out_dtype=BF16, bv=64,
+                         per_program=2, interpret=interpret)
+  return fn, (d["qg"], d["aqk"], d["x"], d["states"])
+
+
+def test_output_matches_triton(output_inputs):
+  fn, args = _mosaic_output(output_inputs)
+  got = fn(*args)
+  lay = kda._layout(output_inputs["qg"], output_inputs["x"], 32)
+  want = chunk_common._output_call(*args, lay, SCALE, BF16, True, 4, "o")
+  assert got.shape == want.shape and got.dtype == want.dtype
+  assert np.all(np.isfinite(np.asarray(got, np.float32)))
+  assert rel_err(got, want) < 2e-3
+
+
+def test_output_lowers_for_cuda(output_inputs):
+  fn, args = _mosaic_output(output_inputs, interpret=False)
+  text = jax.jit(fn).trace(*args).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "chunk_output_mosaic" in text
+
+
 # The ops end to end, bf16, T = 150 (3 chunks, the last partial), K = 64,
 # V = 32, an initial state, the bounded path.
 T, H, DK = 150, 2, 64
@@ -137,14 +174,16 @@ def _op_inputs():
               do=normal(1, T, H, DV), ds=normal(1, H, DK, DV))
 
 
-def _op(name, state_pass):
+def _op(name, kernels):
+  """The op with its state passes and output kernel on `kernels` ("triton"
+  or "mosaic")."""
   if name == "kda":
     def f(q, k, v, g, beta, s0):
       return kda.kda_pallas(q, k, v, g, beta, scale=SCALE, initial_state=s0,
                             chunk_size=64, g_min=-5.0, interpret=True,
-                            state_pass=state_pass)
+                            state_pass=kernels, output_kernel=kernels)
     return f
-  tune = gla.Tuning(state_pass=state_pass)
+  tune = gla.Tuning(state_pass=kernels, output_kernel=kernels)
 
   def f(q, k, v, g, beta, s0):
     del beta
@@ -196,6 +235,7 @@ def test_op_runs_the_mosaic_kernels(name, op_runs):
             for sp in ("triton", "mosaic")}
   triton_pass = re.compile(rf"\b{name}_state_pass\b(?!_mosaic)")
   assert f"{name}_state_pass_mosaic" in traced["mosaic"]
+  assert "chunk_output_mosaic" in traced["mosaic"]
   assert not triton_pass.search(traced["mosaic"])
   assert triton_pass.search(traced["triton"])
   assert "_mosaic" not in traced["triton"]
@@ -213,11 +253,24 @@ def test_bad_state_pass_inputs_name_the_field():
                    state_pass="cuda")
   with pytest.raises(ValueError, match="tune.state_pass must be one of"):
     gla.check_tuning(gla.Tuning(state_pass="cuda"))
+  with pytest.raises(ValueError, match="tune.output_kernel must be one of"):
+    gla.check_tuning(gla.Tuning(output_kernel="cuda"))
+  with pytest.raises(ValueError, match="output_kernel must be one of"):
+    kda.kda_pallas(*args[:5], scale=None, initial_state=args[5],
+                   chunk_size=64, g_min=-5.0, interpret=True,
+                   output_kernel="cuda")
   fp32 = [a.astype(jnp.float32) for a in args]
-  with pytest.raises(ValueError, match="bfloat16 inputs only"):
+  with pytest.raises(ValueError, match="state_pass='mosaic' takes bfloat16"):
     kda.kda_pallas(*fp32[:5], scale=None, initial_state=fp32[5],
                    chunk_size=64, g_min=-5.0, interpret=True,
                    state_pass="mosaic")
+  with pytest.raises(ValueError, match="output_kernel='mosaic' takes bf"):
+    kda.kda_pallas(*fp32[:5], scale=None, initial_state=fp32[5],
+                   chunk_size=64, g_min=-5.0, interpret=True,
+                   output_kernel="mosaic")
+  with pytest.raises(ValueError, match="output_kernel='mosaic' block_v"):
+    sm.check_state_pass(128, 256, BF16, 128, 128, "rows", whole_k=True,
+                        what="output_kernel")
   narrow = [a[..., :32] if a.ndim == 4 and a.shape[-1] == DK else a
             for a in args]
   narrow[5] = args[5][:, :, :32]

@@ -305,11 +305,18 @@ def _shape_of(lay, *names, dtype=_F32):
 
 
 def _output_call(qg, aqk, v_new, states, lay, scale, dtype, interpret,
-                 num_warps, name):
+                 num_warps, name, kernel="triton"):
   """O = scale ((q exp(b)) S_n + Aqk X) [B, Tp, H, V] in dtype: qg [B, Tp,
   H, Kp], Aqk [B, H, Tp, C], X [B, Tp, H, V] (GLA: v; KDA: V'), states
-  [B, H, N, Kp, V]. Grid (B, H, N, V/bv), parallel."""
+  [B, H, N, Kp, V]. Grid (B, H, N, V/bv), parallel. kernel "mosaic": the
+  Mosaic GPU kernel (state_mosaic.output, wgmma; bf16, K >= 64) instead of
+  the Triton one."""
   kp, bv = lay["kp"], lay["bv"]
+  if kernel == "mosaic":
+    # Imported here: state_mosaic imports this module.
+    from pallas_kernels.linear_attention import state_mosaic  # pylint: disable=g-import-not-at-top
+    return state_mosaic.output(qg, aqk, v_new, states, scale=scale,
+                               out_dtype=dtype, bv=bv, interpret=interpret)
   return pl.pallas_call(
       functools.partial(_output_kernel, scale=scale, mm=lay["mm"]),
       grid=(lay["bsz"], lay["h"], lay["n_chunks"], lay["nv"]),

@@ -129,6 +129,8 @@ class Tuning:
   # ("mosaic": wgmma + TMA, state_mosaic.py, blocks pass_bk x pass_bv; bf16,
   # K >= 64) kernels; untimed (session 17).
   state_pass: str = "triton"
+  # The output kernel likewise ("mosaic": state_mosaic.output, block bv).
+  output_kernel: str = "triton"
 
   def params(self, kernel):
     return _compiler_params(getattr(self, f"{kernel}_warps"), self.num_stages)
@@ -450,7 +452,7 @@ def _gla_fwd(q, k, v, g, s0, *, scale, bounded, g_min, tune, interpret,
   aqk, qg, kg, ec = intra[:4]
   states, s_final = _state_pass(kg, vp, ec, s0p, lay, tune, interpret)
   o = _output_call(qg, aqk, vp, states, lay, scale, v.dtype, interpret,
-                   tune.output_warps, "gla_chunk_output")
+                   tune.output_warps, "gla_chunk_output", tune.output_kernel)
   out = o[:, :lay["t"]], s_final[:, :, :dk]
   return (out, intra) if for_backward else out
 
@@ -523,9 +525,10 @@ def check_tuning(tune):
   if not isinstance(tune.split_grad_k, bool):
     raise ValueError(f"tune.split_grad_k must be True or False, got "
                      f"{tune.split_grad_k!r}")
-  if tune.state_pass not in STATE_PASSES:
-    raise ValueError(f"tune.state_pass must be one of {STATE_PASSES}, got "
-                     f"{tune.state_pass!r}")
+  for name in ("state_pass", "output_kernel"):
+    if getattr(tune, name) not in STATE_PASSES:
+      raise ValueError(f"tune.{name} must be one of {STATE_PASSES}, got "
+                       f"{getattr(tune, name)!r}")
 
 
 def gla_pallas(q, k, v, g, *, scale, initial_state, chunk_size, g_min,
@@ -555,11 +558,14 @@ def gla_pallas(q, k, v, g, *, scale, initial_state, chunk_size, g_min,
   check_tuning(tune)
   bsz, _, h, dk = q.shape
   dv = v.shape[-1]
+  kp = _next_pow2(dk)
   if tune.state_pass == "mosaic":
-    kp = _next_pow2(dk)
     state_mosaic.check_state_pass(
         kp, dv, v.dtype, min(kp, tune.pass_bk), _block_v(dv, tune.pass_bv),
         state_mosaic.default_layout(interpret), whole_k=False)
+  if tune.output_kernel == "mosaic":
+    state_mosaic.check_state_pass(kp, dv, v.dtype, kp, _block_v(dv, tune.bv),
+                                  "rows", whole_k=True, what="output_kernel")
   scale = float(dk) ** -0.5 if scale is None else float(scale)
   if initial_state is None:
     initial_state = jnp.zeros((bsz, h, dk, dv), _F32)

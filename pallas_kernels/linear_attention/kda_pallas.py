@@ -234,6 +234,10 @@ BLOCK_K_STATE_SIDE = 64
 # state_mosaic.py: bf16 and K >= 64 only). The issue's next step after the
 # Triton profile; untimed (session 17: no device), "triton" until measured.
 STATE_PASS = "triton"
+# The output kernel O = scale ((q exp(b)) S + Aqk V') likewise: "triton" or
+# "mosaic" (state_mosaic.output: both products into one wgmma accumulator,
+# TMA-prefetched chunks); untimed, "triton" until measured.
+OUTPUT_KERNEL = "triton"
 NUM_STAGES = 2
 
 __all__ = ["kda_pallas", "register", "GMinError", "G_MIN_LOWEST"]
@@ -780,12 +784,14 @@ def _grad_k_call(qp, kp_, bp, betap, dop, v_new, du, da, dlk, states,
   )(qp, kp_, bp, gp, betap, da, dlk, *side)
 
 
-_STATIC = ("scale", "block_k", "bounded", "interpret", "g_min", "state_pass")
+_STATIC = ("scale", "block_k", "bounded", "interpret", "g_min", "state_pass",
+           "output_kernel")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("for_backward",))
 def _kda_fwd_impl(q, k, v, g, beta, s0, *, scale, block_k, bounded,
-                  interpret, g_min, state_pass, for_backward=False):
+                  interpret, g_min, state_pass, output_kernel,
+                  for_backward=False):
   """q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; s0 [B, H, K, V].
 
   The kernels read the caller's [B, T, H, D] layout (no transposes); beta is
@@ -793,7 +799,8 @@ def _kda_fwd_impl(q, k, v, g, beta, s0, *, scale, block_k, bounded,
   for_backward, also returns the residuals: the intra kernel's outputs W, U,
   Aqk, qg, kg, ec, b, M, Lk (O(T (4 K + V + 3 C)), about twice the size of
   the inputs). With g_min (a float), g is clamped to it inside the intra
-  kernel; None: no clamp. state_pass: "triton" or "mosaic" (STATE_PASS).
+  kernel; None: no clamp. state_pass, output_kernel: "triton" or
+  "mosaic" (STATE_PASS, OUTPUT_KERNEL).
   """
   lay = _layout(q, v, block_k)
   qp, kp_, vp, gp, betap, s0p = _prepare(q, k, v, g, beta, s0, lay)
@@ -803,7 +810,7 @@ def _kda_fwd_impl(q, k, v, g, beta, s0, *, scale, block_k, bounded,
   states, v_new, s_final = _state_pass(w, u, kg, ec, s0p, lay, interpret,
                                        state_pass)
   o = _output_call(qg, aqk, v_new, states, lay, scale, v.dtype, interpret,
-                   NUM_WARPS["output"], "kda_chunk_output")
+                   NUM_WARPS["output"], "kda_chunk_output", output_kernel)
   out = o[:, :lay["t"]], s_final[:, :, :lay["dk"]]
   if not for_backward:
     return out
@@ -813,10 +820,11 @@ def _kda_fwd_impl(q, k, v, g, beta, s0, *, scale, block_k, bounded,
 @functools.partial(jax.jit, static_argnames=_STATIC + ("split",))
 def _kda_bwd_impl(q, k, v, beta, s0, intra, g, do, ds_final, *,
                   scale, block_k, bounded, interpret, g_min, state_pass,
-                  split):
+                  output_kernel, split):
   """(dq, dk, dv, dg, dbeta, ds0) given do [B,T,H,V], ds_final [B,H,K,V] and
   the forward's residuals (the intra kernel's outputs, and g [B,T,H,K] when
   g_min clamps it: dg is zero where g < g_min; else g is None)."""
+  del output_kernel  # the forward's option
   lay = _layout(q, v, block_k)
   t, tp, dk, kp, dv = (lay[n] for n in ("t", "tp", "dk", "kp", "dv"))
   qp, kp_, vp, betap, s0p = _prepare_inputs(q, k, v, beta, s0, lay)
@@ -845,17 +853,18 @@ def _kda_bwd_impl(q, k, v, beta, s0, intra, g, do, ds_final, *,
   return (dq, dk_, dvp[:, :t], dg, dbeta.astype(beta.dtype), ds0[:, :, :dk])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11, 12))
+@functools.partial(jax.custom_vjp,
+                   nondiff_argnums=(6, 7, 8, 9, 10, 11, 12, 13))
 def _kda_pallas_vjp(q, k, v, g, beta, s0, scale, block_k, bounded, interpret,
-                    g_min, state_pass, split):
+                    g_min, state_pass, output_kernel, split):
   del split  # the backward's option
   return _kda_fwd_impl(q, k, v, g, beta, s0, scale=scale, block_k=block_k,
                        bounded=bounded, interpret=interpret, g_min=g_min,
-                       state_pass=state_pass)
+                       state_pass=state_pass, output_kernel=output_kernel)
 
 
 def _vjp_fwd(q, k, v, g, beta, s0, scale, block_k, bounded, interpret, g_min,
-             state_pass, split):
+             state_pass, output_kernel, split):
   del split  # the backward's option
   # The forward keeps what its intra kernel built (b, W, U, Aqk, M, Lk, qg,
   # kg, ec): the backward does not re-run that kernel (H200, B1 T32768 H16
@@ -863,18 +872,19 @@ def _vjp_fwd(q, k, v, g, beta, s0, scale, block_k, bounded, interpret, g_min,
   out, intra = _kda_fwd_impl(
       q, k, v, g, beta, s0, scale=scale, block_k=block_k, bounded=bounded,
       interpret=interpret, g_min=g_min, state_pass=state_pass,
-      for_backward=True)
+      output_kernel=output_kernel, for_backward=True)
   return out, (q, k, v, beta, s0, intra, None if g_min is None else g)
 
 
-def _vjp_bwd(scale, block_k, bounded, interpret, g_min, state_pass, split,
-             res, cts):
+def _vjp_bwd(scale, block_k, bounded, interpret, g_min, state_pass,
+             output_kernel, split, res, cts):
   q, k, v, beta, s0, intra, g = res
   do, ds_final = cts
   return _kda_bwd_impl(q, k, v, beta, s0, intra, g, do, ds_final,
                        scale=scale, block_k=block_k, bounded=bounded,
                        interpret=interpret, g_min=g_min,
-                       state_pass=state_pass, split=split)
+                       state_pass=state_pass, output_kernel=output_kernel,
+                       split=split)
 
 
 _kda_pallas_vjp.defvjp(_vjp_fwd, _vjp_bwd)
@@ -882,7 +892,7 @@ _kda_pallas_vjp.defvjp(_vjp_fwd, _vjp_bwd)
 
 def kda_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min,
                interpret=False, bounded=None, block_k=None,
-               split_grad_k=None, state_pass=None):
+               split_grad_k=None, state_pass=None, output_kernel=None):
   """Chunked KDA, forward and backward as Pallas kernels (jax.custom_vjp).
 
   Args:
@@ -904,6 +914,8 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min,
     state_pass: "triton" or "mosaic": the sequential state and dstate
       passes as Triton or Mosaic GPU (wgmma) kernels (default STATE_PASS).
       "mosaic" needs bf16 inputs and K > 32.
+    output_kernel: "triton" or "mosaic": the output kernel (default
+      OUTPUT_KERNEL; "mosaic" needs bf16 inputs and K > 32).
   Returns:
     o [B, T, H, V] in v.dtype, final state [B, H, K, V] fp32.
   """
@@ -934,17 +946,24 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min,
     raise ValueError(f"split_grad_k must be None, True or False, got "
                      f"{split_grad_k!r}")
   passes = STATE_PASS if state_pass is None else state_pass
-  if passes not in STATE_PASSES:
-    raise ValueError(f"state_pass must be one of {STATE_PASSES} or None, got "
-                     f"{state_pass!r}")
+  out_kernel = OUTPUT_KERNEL if output_kernel is None else output_kernel
+  for name, value, given in (("state_pass", passes, state_pass),
+                             ("output_kernel", out_kernel, output_kernel)):
+    if value not in STATE_PASSES:
+      raise ValueError(f"{name} must be one of {STATE_PASSES} or None, got "
+                       f"{given!r}")
+  kp = _next_pow2(dk)
   if passes == "mosaic":
-    kp = _next_pow2(dk)
     state_mosaic.check_state_pass(kp, dv, v.dtype, kp, BLOCK_V_PASS,
                                   state_mosaic.default_layout(interpret),
                                   whole_k=True)
+  if out_kernel == "mosaic":
+    state_mosaic.check_state_pass(kp, dv, v.dtype, kp, _block_v(dv), "rows",
+                                  whole_k=True, what="output_kernel")
   return _kda_pallas_vjp(q, k, v, g.astype(_F32), beta,
                          initial_state.astype(_F32), scale, int(block_k),
-                         bool(bounded), bool(interpret), clamp, passes, split)
+                         bool(bounded), bool(interpret), clamp, passes,
+                         out_kernel, split)
 
 
 def register():

@@ -114,25 +114,28 @@ def _load(ref, layout, interpret):
   return x if interpret else plgpu.layout_cast(x, layout)
 
 
-def check_state_pass(kp, dv, dtype, bk, bv, layout, whole_k):
-  """Limits of the Mosaic state pass (ValueError names the field)."""
+def check_state_pass(kp, dv, dtype, bk, bv, layout, whole_k,
+                     what="state_pass"):
+  """Limits of the Mosaic kernels (ValueError names the option `what` and
+  the field)."""
+  me = f"{what}='mosaic'"
   if plgpu is None:
-    raise ValueError("state_pass='mosaic' needs jax.experimental.pallas."
-                     "mosaic_gpu, absent from this jax")
+    raise ValueError(f"{me} needs jax.experimental.pallas.mosaic_gpu, "
+                     "absent from this jax")
   if jnp.dtype(dtype) != jnp.bfloat16:
-    raise ValueError("state_pass='mosaic' takes bfloat16 inputs only (wgmma "
-                     "on float32 is TF32), got "
-                     f"{jnp.dtype(dtype).name}; use state_pass='triton'")
+    raise ValueError(f"{me} takes bfloat16 inputs only (wgmma on float32 is "
+                     f"TF32), got {jnp.dtype(dtype).name}; use "
+                     f"{what}='triton'")
   if kp % 64:
-    raise ValueError("state_pass='mosaic' needs K (padded to a power of two) "
-                     f"a multiple of 64, got {kp}; use state_pass='triton'")
+    raise ValueError(f"{me} needs K (padded to a power of two) a multiple of "
+                     f"64, got {kp}; use {what}='triton'")
   if bk not in (64, 128, 256) or kp % bk or (whole_k and bk != kp):
     allowed = f"K={kp}" if whole_k else f"64, 128 or 256 dividing K={kp}"
-    raise ValueError(f"state_pass='mosaic' block_k must be {allowed} (the "
-                     f"wgmma M dim), got block_k={bk!r}")
+    raise ValueError(f"{me} block_k must be {allowed} (the wgmma M dim), got "
+                     f"block_k={bk!r}")
   if bv not in (16, 32, 64) or dv % bv:
-    raise ValueError(f"state_pass='mosaic' block_v must be 16, 32 or 64 and "
-                     f"divide V={dv}, got block_v={bv!r}")
+    raise ValueError(f"{me} block_v must be 16, 32 or 64 and divide V={dv}, "
+                     f"got block_v={bv!r}")
   if layout not in LAYOUTS:
     raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
 
@@ -175,18 +178,22 @@ def _mma(a, b, shape):
   return pl.run_scoped(body, plgpu.ACC(shape, _F32))
 
 
-def _run_pass(streams, bars, *, n_chunks, reverse, stores, step, carry):
+def _run_pass(streams, bars, *, n_chunks, reverse, stores, step, carry,
+              first=0):
   """The chunk loop shared by every pass.
 
   streams: (gmem_slice(n) -> GMEM ref view, smem slots) per input; chunk
   r's inputs are fetched into slot r % 2 (barrier i * 2 + slot) while chunk
-  r - 1 computes. step(n, slot, carry) -> carry runs chunk n = r (or
-  N - 1 - r with reverse) once its inputs are in; before it, the TMA
-  stores of chunk r - 2 (`stores` per chunk) have finished reading the
-  output slot it reuses.
+  r - 1 computes. step(n, slot, carry) -> carry runs chunk n = first + r
+  (or first + N - 1 - r with reverse) once its inputs are in; before it,
+  the TMA stores of chunk r - 2 (`stores` per chunk) have finished reading
+  the output slot it reuses.
   """
+  def chunk(r):
+    return first + (n_chunks - 1 - r if reverse else r)
+
   def fetch(r, slot):
-    n = n_chunks - 1 - r if reverse else r
+    n = chunk(r)
     for i, (src, dst) in enumerate(streams):
       plgpu.copy_gmem_to_smem(src(n), dst.at[slot], bars.at[i * _SLOTS + slot])
 
@@ -202,8 +209,7 @@ def _run_pass(streams, bars, *, n_chunks, reverse, stores, step, carry):
     for i in range(len(streams)):
       plgpu.barrier_wait(bars.at[i * _SLOTS + slot])
     plgpu.wait_smem_to_gmem(stores, wait_read_only=True)
-    n = n_chunks - 1 - r if reverse else r
-    return step(n, slot, carry)
+    return step(chunk(r), slot, carry)
 
   return jax.lax.fori_loop(0, n_chunks, body, carry)
 
@@ -443,3 +449,76 @@ def kda_dstate_pass(qg, kg, w, ec, do, dv_intra, ds_final, *, scale,
   return _launch(kernel, (qg, kg, w, ec, do, dv_intra, ds_final), out_type,
                  scratch, bsz=bsz, h=h, nk=1, nv=dv // bv,
                  interpret=interpret, name="kda_dstate_pass_mosaic")
+
+
+def _output_kernel(qg_g, aqk_g, x_g, states_g, o_g,
+                   qg_s, aqk_s, x_s, st_s, o_s, bars, *, per_program, bv,
+                   scale, out_dtype):
+  b, h = jax.lax.axis_index("b"), jax.lax.axis_index("h")
+  cols = pl.ds(jax.lax.axis_index("j") * bv, bv)
+  rows = lambda n: pl.ds(n * CHUNK, CHUNK)  # noqa: E731
+  streams = [
+      (lambda n: qg_g.at[b, rows(n), h], qg_s),
+      (lambda n: aqk_g.at[b, h, rows(n)], aqk_s),
+      (lambda n: x_g.at[b, rows(n), h, cols], x_s),
+      (lambda n: states_g.at[b, h, n, :, cols], st_s)]
+
+  def step(n, slot, carry):
+    def both(acc):   # (q exp(b)) S_n + Aqk X, one accumulator
+      plgpu.wgmma(acc, qg_s.at[slot], st_s.at[slot])
+      plgpu.wgmma(acc, aqk_s.at[slot], x_s.at[slot])
+      return acc[...]
+    out = pl.run_scoped(both, plgpu.ACC((CHUNK, bv), _F32))
+    _to_gmem((scale * out).astype(out_dtype), o_s.at[slot],
+             o_g.at[b, rows(n), h, cols])
+    return carry
+
+  _run_pass(streams, bars, n_chunks=per_program, reverse=False, stores=1,
+            step=step, carry=(), first=jax.lax.axis_index("c") * per_program)
+  plgpu.wait_smem_to_gmem(0)
+
+
+def output(qg, aqk, x, states, *, scale, out_dtype, bv=64, per_program=None,
+           interpret=False):
+  """O = scale ((q exp(b)) S_n + Aqk X) on Mosaic GPU (the counterpart of
+  chunk_common._output_call): both products into one accumulator, M = C.
+
+  Args:
+    qg: q exp(b) [B, Tp, H, Kp] bf16; aqk: [B, H, Tp, C] bf16; x: [B, Tp, H,
+      V] bf16 (GLA: v; KDA: V'); states: [B, H, N, Kp, V] bf16.
+    scale: the query scale; out_dtype: o's dtype.
+    bv: V block per program (16, 32 or 64).
+    per_program: consecutive chunks per program, walked with the next
+      chunk's inputs prefetched (None: the largest of 8, 4, 2, 1 dividing N).
+  Returns:
+    o [B, Tp, H, V] in out_dtype.
+  """
+  bsz, tp, h, dv = x.shape
+  kp = qg.shape[-1]
+  check_state_pass(kp, dv, x.dtype, kp, bv, "rows", whole_k=True,
+                   what="output_kernel")
+  n_chunks = tp // CHUNK
+  if per_program is None:
+    per_program = next(p for p in (8, 4, 2, 1) if n_chunks % p == 0)
+  if n_chunks % per_program:
+    raise ValueError(f"per_program={per_program} must divide the {n_chunks} "
+                     "chunks")
+  mm = x.dtype
+  swz = bv * jnp.dtype(mm).itemsize
+  scratch = [_smem((CHUNK, kp), mm, swz), _smem((CHUNK, CHUNK), mm, swz),
+             _smem((CHUNK, bv), mm, swz), _smem((kp, bv), mm, swz),
+             _smem((CHUNK, bv), out_dtype),
+             plgpu.Barrier(num_barriers=4 * _SLOTS)]
+  nbytes = _smem_bytes(scratch)
+  if nbytes > SMEM_LIMIT:
+    raise ValueError(f"the Mosaic output kernel needs {nbytes} bytes of "
+                     f"shared memory per block (limit {SMEM_LIMIT})")
+  kernel = functools.partial(_output_kernel, per_program=per_program, bv=bv,
+                             scale=float(scale), out_dtype=out_dtype)
+  call = plgpu.kernel(
+      kernel, out_type=jax.ShapeDtypeStruct((bsz, tp, h, dv), out_dtype),
+      scratch_types=scratch,
+      grid=(bsz, h, dv // bv, n_chunks // per_program),
+      grid_names=("b", "h", "j", "c"), kernel_name="chunk_output_mosaic",
+      interpret=_interpret_params(interpret))
+  return call(qg, aqk, x, states)

@@ -20,7 +20,11 @@ e.g. one taken from git before the device call:
 Each version is timed like bench_kernels times the public op (bf16 q, k, v,
 do; fp32 g in [-5, 0); bounded path, g_min = -5): a jit of the forward
 returning o, and a jit of jax.vjp returning o and the input gradients;
-median of --iters calls after two warm-up calls. Rows go to OUT/rows.jsonl
+median of --iters calls after two warm-up calls. Each version's o and
+gradients are also compared with the first version's of the same op and
+shape ("vs first": the largest norm-relative difference over o and the
+gradients), so that a version that computes something else (a miscompiled
+kernel, a broken option) is seen, not just timed. Rows go to OUT/rows.jsonl
 as they come (partial results survive a timeout) and to a markdown table.
 --interpret runs the kernels in interpret mode on small heads (H=2, D=32;
 D=64 when a version uses mosaic, which needs K >= 64): a CPU smoke test,
@@ -129,6 +133,19 @@ def jitted_fns(op, mod, options, interpret):
   return jax.jit(call), jax.jit(fwd_bwd)
 
 
+def max_rel_diff(result, baseline):
+  """The largest ||a - b|| / ||b|| over the leaves of two (o, grads) pytrees
+  (0 for the baseline itself; inf for a non-finite leaf)."""
+  worst = 0.0
+  for a, b in zip(jax.tree.leaves(result), jax.tree.leaves(baseline)):
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    num, den = jnp.linalg.norm(a - b), jnp.linalg.norm(b)
+    if not bool(jnp.all(jnp.isfinite(a))):
+      return float("inf")
+    worst = max(worst, float(num / jnp.maximum(den, 1e-30)))
+  return worst
+
+
 def main(argv):
   del argv
   versions = parse_versions(_VERSIONS.value)
@@ -146,17 +163,20 @@ def main(argv):
         flush=True)
   md = [f"device: {dev.device_kind}, jax {jax.__version__}, H={h} D={d} "
         "bf16, bounded (g_min = -5)", "",
-        "| version | B | T | fwd ms | fwd+bwd ms | first call s |",
-        "|---|---|---|---|---|---|"]
+        "| version | B | T | fwd ms | fwd+bwd ms | vs first | first call s |",
+        "|---|---|---|---|---|---|---|"]
   for bsz, t in shapes:
     x = make_inputs(bsz, t, h, d)
+    baseline = {}   # op -> (o, grads) of its first version at this shape
     for label, op, source, options in versions:
       try:
         fwd, fwd_bwd = jitted_fns(op, load_module(op, source), options,
                                   _INTERPRET.value)
         t0 = time.perf_counter()
-        jax.block_until_ready(fwd_bwd(x))
+        result = jax.block_until_ready(fwd_bwd(x))
         first = time.perf_counter() - t0
+        diff = max_rel_diff(result, baseline.setdefault(op, result))
+        del result
         ms = [median_ms(lambda f=f: jax.block_until_ready(f(x)), _ITERS.value)
               for f in (fwd, fwd_bwd)]
       except Exception as e:  # pylint: disable=broad-except
@@ -166,13 +186,14 @@ def main(argv):
       finally:
         jax.clear_caches()
       row = dict(version=label, B=bsz, T=t, fwd_ms=ms[0], fwd_bwd_ms=ms[1],
-                 first_call_s=first, device=dev.device_kind)
+                 vs_first=diff, first_call_s=first, device=dev.device_kind)
       with open(os.path.join(_OUT.value, "rows.jsonl"), "a") as fh:
         fh.write(json.dumps(row) + "\n")
       md.append(f"| {label} | {bsz} | {t} | {ms[0]:.3f} | {ms[1]:.3f} | "
-                f"{first:.0f} |")
+                f"{diff:.1e} | {first:.0f} |")
       print(f"{label:<40} B={bsz} T={t:>6}  fwd {ms[0]:8.3f} ms  fwd+bwd "
-            f"{ms[1]:8.3f} ms  (first call {first:.0f} s)", flush=True)
+            f"{ms[1]:8.3f} ms  vs first {diff:.1e}  (first call {first:.0f} "
+            "s)", flush=True)
   with open(os.path.join(_OUT.value, "ab.md"), "w") as fh:
     fh.write("\n".join(md) + "\n")
   print("\n".join(md))

@@ -74,6 +74,8 @@ def test_ab_kernels_interpret_smoke(tmp_path):
                                           "gla:main+split+mosaic"]
   assert all(math.isfinite(r["fwd_bwd_ms"]) and r["fwd_bwd_ms"] > 0
              for r in rows)
+  # The same op computed both ways: o and the gradients agree.
+  assert rows[0]["vs_first"] == 0.0 and rows[1]["vs_first"] < 1e-2
   assert (tmp_path / "ab.md").exists()
 
 

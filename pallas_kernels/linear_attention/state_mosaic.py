@@ -64,16 +64,23 @@ _SLOTS = 2          # double-buffered inputs and outputs
 SMEM_LIMIT = 227 * 1024   # bytes of shared memory per block on sm_90
 
 
-def _interpret_params(interpret):
-  """plgpu.kernel's `interpret`: the GPU interpreter (the generic HLO one
-  has no rule for TMA copies)."""
-  if not interpret:
-    return None
+def gpu_interpreter(**options):
+  """The GPU interpreter's parameters (e.g. detect_races=True), to pass as
+  `interpret` to any kernel here."""
   cls = getattr(plgpu, "InterpretGPUParams", None)
   if cls is None:  # jax 0.10: not yet exported
     from jax._src.pallas.mosaic_gpu.interpret import params  # pylint: disable=g-import-not-at-top
     cls = params.InterpretGPUParams
-  return cls()
+  return cls(**options)
+
+
+def _interpret_params(interpret):
+  """plgpu.kernel's `interpret`: None (compile), the GPU interpreter for
+  True (the generic HLO one has no rule for TMA copies), or the caller's
+  gpu_interpreter(...) as is."""
+  if interpret is None or interpret is False:
+    return None
+  return gpu_interpreter() if interpret is True else interpret
 
 
 def default_layout(interpret):
@@ -178,6 +185,15 @@ def _mma(a, b, shape):
   return pl.run_scoped(body, plgpu.ACC(shape, _F32))
 
 
+def _release_slot():
+  """Before a TMA write into a slot that chunk r - 1 read: by wgmma
+  (awaited) and by plain loads (ec, U, dV'_intra). A plain load is a
+  generic-proxy access and the TMA write an async-proxy one; the proxy fence
+  (and warpgroup barrier) of commit_smem orders the two. Without it, jax
+  0.11's race detector reports the write racing those loads."""
+  plgpu.commit_smem()
+
+
 def _run_pass(streams, bars, *, n_chunks, reverse, stores, step, carry,
               first=0):
   """The chunk loop shared by every pass.
@@ -203,7 +219,8 @@ def _run_pass(streams, bars, *, n_chunks, reverse, stores, step, carry,
     slot = jax.lax.rem(r, _SLOTS)
 
     @pl.when(r + 1 < n_chunks)
-    def _prefetch():  # the other slot's last reader (chunk r - 1) is done
+    def _prefetch():
+      _release_slot()
       fetch(r + 1, 1 - slot)
 
     for i in range(len(streams)):
@@ -389,7 +406,8 @@ def state_pass(kg, x, ec, s0, w=None, *, bk=None, bv=BLOCK_V, layout="rows",
     bk: K block per program (None: all of Kp, which KDA needs). 64, 128 or
       256.
     bv: V block per program (16, 32 or 64).
-    interpret: run in the GPU interpreter (CPU).
+    interpret: run in the GPU interpreter (CPU): True, or gpu_interpreter(
+      ...) for its options.
   Returns:
     states [B, H, N, Kp, V] bf16 (the state entering each chunk), then
     v_new [B, Tp, H, V] bf16 (KDA only: U - W S per chunk), then the final

@@ -113,12 +113,14 @@ def _mma_transforms(swizzle, dtype):
 def _load(ref, layout, interpret):
   """All of a shared-memory ref, in `layout` (the wgmma accumulator's, or
   its row vector's, so that it combines with the accumulator). A plain load
-  cast to the layout (the cast is the lowering's layout hint for the load):
+  cast to the layout (the cast is the lowering's layout hint for the load).
   jax 0.10's GPU interpreter runs neither plgpu.load(..., layout=) on a
-  tiled ref nor layout_cast, and models no layouts, so it gets the plain
-  load."""
+  tiled ref nor layout_cast, and models no layouts: there, the plain load
+  alone; 0.11's runs the cast."""
   x = ref[...]
-  return x if interpret else plgpu.layout_cast(x, layout)
+  if interpret and not interpreter_transposes():
+    return x
+  return plgpu.layout_cast(x, layout)
 
 
 def check_state_pass(kp, dv, dtype, bk, bv, layout, whole_k,

@@ -54,6 +54,10 @@ def base_config() -> ml_collections.ConfigDict:
   kda.conv_size = 4             # depthwise causal short conv width
   kda.chunk_size = 32
   kda.backend = "auto"          # auto | xla | pallas | interpret
+  # auto (the kernel's defaults) | triton | mosaic: the Pallas kernel's state
+  # passes and output as Triton or Mosaic GPU (wgmma) kernels; mosaic needs
+  # model.dtype bfloat16 and a head dim > 32. Used when KDA runs on Pallas.
+  kda.pallas_stages = "auto"
 
   mla = m.mla = ml_collections.ConfigDict()
   mla.num_heads = 2

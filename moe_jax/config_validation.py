@@ -93,6 +93,15 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   _int_range(config, "model.kda.conv_size", 1, 16)
   _one_of(config, "model.kda.chunk_size", (16, 32, 64, 128))
   _one_of(config, "model.kda.backend", ("auto", "xla", "pallas", "interpret"))
+  _one_of(config, "model.kda.pallas_stages", ("auto", "triton", "mosaic"))
+  if config.model.kda.pallas_stages == "mosaic":
+    head_dim = config.model.d_model // config.model.kda.num_heads
+    if config.model.dtype != "bfloat16" or head_dim <= 32:
+      raise ConfigError(
+          "model.kda.pallas_stages='mosaic' needs model.dtype='bfloat16' and "
+          "a KDA head dim (model.d_model / model.kda.num_heads) above 32, got "
+          f"model.dtype={config.model.dtype!r} and head dim {head_dim}; use "
+          "pallas_stages='triton'")
 
   # MLA.
   _int_range(config, "model.mla.num_heads", 1)

@@ -56,7 +56,8 @@ class HybridLM(nn.Module):
       return KDA(d_model=c.d_model, num_heads=k.num_heads, decay=k.decay,
                  g_min=k.g_min, decay_rank=k.decay_rank, gate_rank=k.gate_rank,
                  conv_size=k.conv_size, chunk_size=k.chunk_size,
-                 backend=k.backend, norm_eps=c.norm_eps,
+                 backend=k.backend, pallas_stages=k.pallas_stages,
+                 norm_eps=c.norm_eps,
                  out_init_scale=out_scale, dtype=dtype, param_dtype=pdtype,
                  name=f"layer_{i}_kda")
     m = c.mla

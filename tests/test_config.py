@@ -36,6 +36,8 @@ def test_unknown_variant_names_allowed_ones():
     ("model.moe.balancing", "magic", r"model\.moe\.balancing must be one of"),
     ("model.layer_pattern", "KXM", r"model\.layer_pattern"),
     ("model.kda.chunk_size", 48, r"model\.kda\.chunk_size must be one of"),
+    ("model.kda.pallas_stages", "cuda", r"model\.kda\.pallas_stages must be "
+     r"one of \['auto', 'triton', 'mosaic'\]"),
     ("model.moe.expert_latent_dim", 65, r"model\.moe\.expert_latent_dim must "
      r"be in \[0, 64\]"),
     ("data.source", "web", r"data\.source must be one of \['stdlib', "
@@ -51,3 +53,14 @@ def test_qb_needs_top_k_below_num_experts():
   config.model.moe.top_k = config.model.moe.num_experts
   with pytest.raises(ConfigError, match=r"model\.moe\.top_k must be < "):
     validate_config(config)
+
+
+def test_mosaic_stages_need_bf16_and_wide_heads():
+  config = load_config("default.py")       # float32, head dim 64 / 2 = 32
+  config.model.kda.pallas_stages = "mosaic"
+  with pytest.raises(ConfigError, match=r"pallas_stages='mosaic' needs "
+                     r"model\.dtype='bfloat16'.*head dim 32"):
+    validate_config(config)
+  config.model.dtype = "bfloat16"
+  config.model.kda.num_heads = 1           # head dim 64
+  validate_config(config)

@@ -356,3 +356,57 @@ def test_race_detector_needs_the_proxy_fence(name, pass_inputs, monkeypatch):
   fn = functools.partial(fn, interpret=sm.gpu_interpreter(detect_races=True))
   jax.block_until_ready(fn(*args))
   assert _races_found()
+
+
+def test_public_op_passes_pallas_options(op_runs):
+  # ops.kda binds pallas_options to the Pallas kernel (here interpreted) and
+  # the XLA oracle ignores them; unknown options name the allowed ones.
+  from pallas_kernels.linear_attention import ops  # pylint: disable=g-import-not-at-top
+  d, runs = op_runs
+  args = tuple(d[n] for n in ("q", "k", "v", "g", "beta"))
+  mosaic = dict(state_pass="mosaic", output_kernel="mosaic")
+  o, s = ops.kda(*args, scale=SCALE, initial_state=d["s0"],
+                 backend="interpret", g_min=-5.0, pallas_options=mosaic)
+  (o_want, s_want), _ = runs[("kda", "mosaic")]
+  np.testing.assert_array_equal(np.asarray(o, np.float32),
+                                np.asarray(o_want, np.float32))
+  np.testing.assert_array_equal(s, s_want)
+  o_x, _ = ops.kda(*args, scale=SCALE, initial_state=d["s0"], backend="xla",
+                   g_min=-5.0, pallas_options=mosaic)
+  o_ref, _ = ops.kda(*args, scale=SCALE, initial_state=d["s0"],
+                     backend="xla", g_min=-5.0)
+  np.testing.assert_array_equal(np.asarray(o_x, np.float32),
+                                np.asarray(o_ref, np.float32))
+  with pytest.raises(ValueError, match=r"unknown option\(s\) \['warps'\] for "
+                     r"kda; allowed: .*state_pass.*output_kernel"):
+    ops.kda(*args, scale=SCALE, initial_state=d["s0"], backend="interpret",
+            g_min=-5.0, pallas_options=dict(warps=8))
+  with pytest.raises(ValueError, match="pallas_options must be None or a "
+                     "dict"):
+    ops.kda(*args, backend="interpret", g_min=-5.0, pallas_options="mosaic")
+
+
+def test_kda_layer_runs_the_mosaic_stages():
+  # The model's KDA layer (config model.kda.pallas_stages) on the interpret
+  # backend: bf16, head dim 64, T = 80; the Mosaic stages give the Triton
+  # stages' output and parameter gradients.
+  from moe_jax.layers.kda import KDA  # pylint: disable=g-import-not-at-top
+  x = jax.random.normal(jax.random.key(5), (1, 80, 64), jnp.float32)
+
+  def make(stages):
+    return KDA(d_model=64, num_heads=1, backend="interpret", chunk_size=64,
+               pallas_stages=stages, dtype=jnp.bfloat16)
+
+  params = make("triton").init(jax.random.key(6), x)
+
+  def loss(p, stages):
+    return jnp.sum(make(stages).apply(p, x).astype(jnp.float32) ** 2)
+
+  got = {st: jax.value_and_grad(loss)(params, st) for st in ("triton", "mosaic")}
+  traced = str(jax.make_jaxpr(lambda p: loss(p, "mosaic"))(params))
+  assert "kda_state_pass_mosaic" in traced and "chunk_output_mosaic" in traced
+  (l_t, g_t), (l_m, g_m) = got["triton"], got["mosaic"]
+  assert np.isfinite(float(l_m))
+  np.testing.assert_allclose(float(l_m), float(l_t), rtol=1e-3)
+  for a, b in zip(jax.tree.leaves(g_m), jax.tree.leaves(g_t)):
+    assert rel_err(a, b) < 2e-2

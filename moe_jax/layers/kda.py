@@ -101,6 +101,11 @@ class KDA(nn.Module):
     conv_size: short-conv width.
     chunk_size: chunk of the chunked algorithm.
     backend: linear-attention backend ("auto" | "xla" | "pallas" | "interpret").
+    pallas_stages: "auto" (the kernel module's defaults) | "triton" |
+      "mosaic": the Pallas kernel's state passes and output kernel as Triton
+      or Mosaic GPU (wgmma) kernels (kda_pallas state_pass / output_kernel;
+      "mosaic" needs bf16 and a head dim > 32). Used only when the op runs
+      the Pallas kernel.
     context_axis: mesh axis that, when the ambient mesh (jax.set_mesh) has it
       with size > 1 dividing T, splits the sequence for the token mixing
       (context parallelism); otherwise the plain single-device op.
@@ -114,6 +119,7 @@ class KDA(nn.Module):
   conv_size: int = 4
   chunk_size: int = 64
   backend: str = "auto"
+  pallas_stages: str = "auto"
   context_axis: str = "context"
   norm_eps: float = 1e-6
   out_init_scale: float = 1.0
@@ -152,7 +158,10 @@ class KDA(nn.Module):
                       decay=self.decay, g_min=self.g_min)
 
     op_kw = dict(backend=self.backend, chunk_size=self.chunk_size,
-                 g_min=self.g_min if self.decay == "bounded" else None)
+                 g_min=self.g_min if self.decay == "bounded" else None,
+                 pallas_options=None if self.pallas_stages == "auto" else dict(
+                     state_pass=self.pallas_stages,
+                     output_kernel=self.pallas_stages))
     n_ctx = mesh_utils.axis_size(self.context_axis)
     if n_ctx > 1 and t % n_ctx == 0:
       # Sequence split over the context axis: local chunks + an exchange of

@@ -289,7 +289,7 @@ def _combine(o_loc, qp, mat, add, s0, *, axis, diagonal):
 
 def _context_parallel(kind, q, k, v, g, beta, *, mesh, axis, scale,
                       initial_state, chunk_size, backend, g_min, batch_axes,
-                      head_axes):
+                      head_axes, pallas_options=None):
   # Global validation first (clear errors before any tracing of shard_map).
   # pylint: disable-next=protected-access
   g_min = ops._validate(q, k, v, g, beta, initial_state, chunk_size, g_min)
@@ -300,7 +300,8 @@ def _context_parallel(kind, q, k, v, g, beta, *, mesh, axis, scale,
                      f"mesh {sizes} (pass mesh=, or call under jax.set_mesh)")
   bsz, t, h, dk = q.shape
   scale = float(dk) ** -0.5 if scale is None else scale
-  op_kw = dict(backend=backend, chunk_size=chunk_size, g_min=g_min)
+  op_kw = dict(backend=backend, chunk_size=chunk_size, g_min=g_min,
+               pallas_options=pallas_options)
   n_dev = sizes[axis]
   if n_dev == 1:  # nothing to exchange: the plain op
     fn = ops.gla if kind == "gla" else ops.kda
@@ -354,7 +355,7 @@ def gla_context_parallel(q, k, v, g, *, mesh=None, axis: str = "context",
                          scale: Optional[float] = None, initial_state=None,
                          chunk_size: int = 64, backend: str = "xla",
                          g_min: Optional[float] = None, batch_axes=None,
-                         head_axes=None):
+                         head_axes=None, pallas_options=None):
   """GLA with the sequence split over a mesh axis; equals `ops.gla`.
 
   Args:
@@ -363,8 +364,9 @@ def gla_context_parallel(q, k, v, g, *, mesh=None, axis: str = "context",
       of chunk_size: the local op pads).
     mesh: a Mesh/AbstractMesh, or None for the ambient one (jax.set_mesh).
     axis: the mesh axis splitting the sequence.
-    scale, initial_state ([B, H, K, V]), chunk_size, backend, g_min: as
-      `ops.gla` (the local op gets them; the initial state enters device 0).
+    scale, initial_state ([B, H, K, V]), chunk_size, backend, g_min,
+      pallas_options: as `ops.gla` (the local op gets them; the initial
+      state enters device 0).
     batch_axes, head_axes: mesh axes splitting B and H (str or tuple), None
       for the defaults (module docstring).
   Returns:
@@ -374,14 +376,15 @@ def gla_context_parallel(q, k, v, g, *, mesh=None, axis: str = "context",
   return _context_parallel(
       "gla", q, k, v, g, None, mesh=mesh, axis=axis, scale=scale,
       initial_state=initial_state, chunk_size=chunk_size, backend=backend,
-      g_min=g_min, batch_axes=batch_axes, head_axes=head_axes)
+      g_min=g_min, batch_axes=batch_axes, head_axes=head_axes,
+      pallas_options=pallas_options)
 
 
 def kda_context_parallel(q, k, v, g, beta, *, mesh=None, axis: str = "context",
                          scale: Optional[float] = None, initial_state=None,
                          chunk_size: int = 64, backend: str = "xla",
                          g_min: Optional[float] = None, batch_axes=None,
-                         head_axes=None):
+                         head_axes=None, pallas_options=None):
   """KDA with the sequence split over a mesh axis; equals `ops.kda`.
 
   The local op runs on V + K value columns (module docstring: the extra K
@@ -392,6 +395,7 @@ def kda_context_parallel(q, k, v, g, beta, *, mesh=None, axis: str = "context",
       beta: [B, T, H]. T must be divisible by the axis size.
     mesh, axis, scale, initial_state, chunk_size, backend, g_min, batch_axes,
       head_axes: as `gla_context_parallel`.
+    pallas_options: as `ops.kda` (the local op gets them).
   Returns:
     o [B, T, H, V] in v.dtype, final state [B, H, K, V] fp32.
   """
@@ -401,7 +405,8 @@ def kda_context_parallel(q, k, v, g, beta, *, mesh=None, axis: str = "context",
   return _context_parallel(
       "kda", q, k, v, g, beta, mesh=mesh, axis=axis, scale=scale,
       initial_state=initial_state, chunk_size=chunk_size, backend=backend,
-      g_min=g_min, batch_axes=batch_axes, head_axes=head_axes)
+      g_min=g_min, batch_axes=batch_axes, head_axes=head_axes,
+      pallas_options=pallas_options)
 
 
 __all__ = ["gla_context_parallel", "kda_context_parallel", "choose_axes",

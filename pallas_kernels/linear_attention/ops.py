@@ -17,9 +17,11 @@ _resolve), else "xla".
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import numbers
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Mapping, Optional
 
 import jax
 import numpy as np
@@ -123,6 +125,34 @@ def _shape(x):
   return tuple(getattr(x, "shape", ()))
 
 
+# The keywords every implementation takes; the rest of a Pallas kernel's
+# keyword-only parameters are its options (pallas_options).
+_OP_KEYWORDS = ("scale", "initial_state", "chunk_size", "g_min")
+
+
+def _with_pallas_options(op: str, impl: Callable, options) -> Callable:
+  """impl with `options` bound when it is a Pallas kernel ("pallas" or
+  "interpret" backend); the XLA oracle has no such options and ignores them
+  (so one config runs on a GPU and, through "auto", on CPU). ValueError
+  naming the unknown keys and the allowed ones."""
+  if options is None:
+    return impl
+  if not isinstance(options, Mapping):
+    raise ValueError("pallas_options must be None or a dict of the Pallas "
+                     f"kernel's keyword options, got {options!r}")
+  pallas = [_IMPLS.get(b, {}).get(op) for b in ("pallas", "interpret")]
+  if not options or impl not in pallas:
+    return impl
+  allowed = [name for name, p in inspect.signature(impl).parameters.items()
+             if p.kind == p.KEYWORD_ONLY and name not in _OP_KEYWORDS
+             and name != "interpret"]
+  bad = sorted(set(options) - set(allowed))
+  if bad:
+    raise ValueError(f"pallas_options: unknown option(s) {bad} for {op}; "
+                     f"allowed: {', '.join(allowed)}")
+  return functools.partial(impl, **options)
+
+
 def check_shapes(q, k, v, g, beta, initial_state, *, need_beta=False):
   """Shape checks shared by the ops and the kernels; returns (B, H, K, V).
 
@@ -174,7 +204,7 @@ def _validate(q, k, v, g, beta, initial_state, chunk_size, g_min):
 
 
 def gla(q, k, v, g, *, scale=None, initial_state=None, backend="auto",
-        chunk_size=64, g_min=None):
+        chunk_size=64, g_min=None, pallas_options=None):
   """Gated linear attention, S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T, o_t = scale S_t^T q_t.
 
   Args:
@@ -184,18 +214,21 @@ def gla(q, k, v, g, *, scale=None, initial_state=None, backend="auto",
     backend: "auto" | "xla" | "pallas" | "interpret".
     chunk_size: 16, 32, 64 or 128.
     g_min: None, or a python float < 0 promising g >= g_min (bounded decay).
+    pallas_options: keyword options of the Pallas kernel (gla_pallas: tune,
+      bounded), used when the call runs it; ignored by the XLA oracle.
   Returns:
     o [B, T, H, V] in v.dtype, final state [B, H, K, V] fp32.
   """
   g_min = _validate(q, k, v, g, None, initial_state, chunk_size, g_min)
   impl, g_min = _resolve("gla", backend, chunk_size=chunk_size, g_min=g_min,
                          dims=(_shape(q)[3], _shape(v)[3]))
+  impl = _with_pallas_options("gla", impl, pallas_options)
   return impl(q, k, v, g, scale=scale, initial_state=initial_state,
               chunk_size=chunk_size, g_min=g_min)
 
 
 def kda(q, k, v, g, beta, *, scale=None, initial_state=None, backend="auto",
-        chunk_size=64, g_min=None):
+        chunk_size=64, g_min=None, pallas_options=None):
   """Kimi delta attention (gated delta rule with per-channel decay).
 
   S_t = (I - beta_t k_t k_t^T) diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T,
@@ -210,6 +243,9 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, backend="auto",
     backend: "auto" | "xla" | "pallas" | "interpret".
     chunk_size: 16, 32, 64 or 128.
     g_min: None, or a python float < 0 promising g >= g_min (bounded decay).
+    pallas_options: keyword options of the Pallas kernel (kda_pallas:
+      state_pass, output_kernel, split_grad_k, block_k, bounded), used when
+      the call runs it; ignored by the XLA oracle.
   Returns:
     o [B, T, H, V] in v.dtype, final state [B, H, K, V] fp32.
   """
@@ -219,6 +255,7 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, backend="auto",
   g_min = _validate(q, k, v, g, beta, initial_state, chunk_size, g_min)
   impl, g_min = _resolve("kda", backend, chunk_size=chunk_size, g_min=g_min,
                          dims=(_shape(q)[3], _shape(v)[3]))
+  impl = _with_pallas_options("kda", impl, pallas_options)
   return impl(q, k, v, g, beta, scale=scale, initial_state=initial_state,
               chunk_size=chunk_size, g_min=g_min)
 

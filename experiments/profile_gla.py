@@ -66,6 +66,9 @@ def parse_flags():
   for cfg in _CONFIGS.value:
     try:
       c = parse_kernel_config(cfg)
+      if c.tf32x3:
+        raise ValueError(f"--configs: bad entry {cfg!r}; tf32x3 is a KDA "
+                         "option (GLA has no triangular inverse)")
       tune = dataclasses.replace(
           gp.DEFAULT_TUNING, block_k=c.block_k, split_grad_k=c.split,
           state_pass="mosaic" if c.mosaic else "triton",

@@ -40,12 +40,13 @@ _H = flags.DEFINE_integer("h", 16, "Heads.")
 _D = flags.DEFINE_integer("d", 128, "K = V.")
 _CONFIGS = flags.DEFINE_list("configs", ["bounded:128", "bounded:64",
                                          "bounded:32", "unbounded:32"],
-                             "path:block_k[:split][:mosaic][:mosaic_out] "
-                             "(split: the backward's contractions over V in "
-                             "their own kernel, kda_pallas split_grad_k; "
-                             "mosaic: the state and dstate passes on Mosaic "
-                             "GPU, state_pass='mosaic'; mosaic_out: the "
-                             "output kernel on Mosaic GPU).")
+                             "path:block_k[:split][:mosaic][:mosaic_out]"
+                             "[:tf32x3] (split: the backward's contractions "
+                             "over V in their own kernel, kda_pallas "
+                             "split_grad_k; mosaic: the state and dstate "
+                             "passes on Mosaic GPU, state_pass='mosaic'; "
+                             "mosaic_out: the output kernel on Mosaic GPU; "
+                             "tf32x3: inverse_dot='tf32x3').")
 _PASS_BV = flags.DEFINE_list("pass_bv", ["0"],
                               "0: default; N: V block width of the "
                               "sequential state passes (BLOCK_V_PASS).")
@@ -74,7 +75,7 @@ def inputs(b, t, h, d, seed=0):
 
 
 def profile(x, bounded, block_k, iters, interpret=False, split=False,
-            mosaic=False, mosaic_out=False):
+            mosaic=False, mosaic_out=False, tf32x3=False):
   """{kernel name: ms} for one configuration."""
   passes = "mosaic" if mosaic else "triton"
   out_kernel = "mosaic" if mosaic_out else "triton"
@@ -90,9 +91,10 @@ def profile(x, bounded, block_k, iters, interpret=False, split=False,
   dsfp = jnp.zeros_like(s0p)
   c = {}
   g_min = -5.0 if bounded else None   # the op's clamp, as kda_pallas runs it
+  inverse_dot = "tf32x3" if tf32x3 else "ieee"
   f = jax.jit(functools.partial(kp._intra_call, lay=lay, bounded=bounded,  # pylint: disable=protected-access
                                 interpret=interpret, for_backward=True,
-                                g_min=g_min))
+                                g_min=g_min, inverse_dot=inverse_dot))
   c["prepare (XLA pads)"] = median_ms(
       lambda: prep(q, k, v, g, beta, s0), iters)
   c["1 intra (b, Aqk, Lk, M, W, U)"] = median_ms(
@@ -132,7 +134,8 @@ def profile(x, bounded, block_k, iters, interpret=False, split=False,
   run = lambda *a: kp.kda_pallas(  # noqa: E731
       *a, scale=None, initial_state=None, chunk_size=64, g_min=g_min,
       bounded=bounded, block_k=block_k, interpret=interpret,
-      split_grad_k=split, state_pass=passes, output_kernel=out_kernel)
+      split_grad_k=split, state_pass=passes, output_kernel=out_kernel,
+      inverse_dot=inverse_dot)
   fwd = jax.jit(lambda q, k, v, g, beta: run(q, k, v, g, beta)[0])
 
   @jax.jit
@@ -178,17 +181,19 @@ def main(argv):
     kp.NUM_WARPS.update(overrides)
     kp.NUM_STAGES = stages or orig_stages
     jax.clear_caches()  # the jitted kernels read these when traced
-    for bounded, block_k, split, mosaic, mosaic_out in configs:
+    for bounded, block_k, split, mosaic, mosaic_out, tf32x3 in configs:
       path = "bounded" if bounded else "unbounded"
       name = (f"{path} block_k={block_k}{' split' if split else ''}"
               f"{' mosaic' if mosaic else ''}"
-              f"{' mosaic_out' if mosaic_out else ''} "
+              f"{' mosaic_out' if mosaic_out else ''}"
+              f"{' tf32x3' if tf32x3 else ''} "
               f"warps={warps or 'default'}"
               f"{' ' + ','.join(_SET_WARPS.value) if overrides else ''} "
               f"stages={kp.NUM_STAGES} pass_bv={kp.BLOCK_V_PASS}")
       try:
         c = profile(x, bounded, block_k, _ITERS.value, _INTERPRET.value,
-                    split=split, mosaic=mosaic, mosaic_out=mosaic_out)
+                    split=split, mosaic=mosaic, mosaic_out=mosaic_out,
+                    tf32x3=tf32x3)
       except Exception as e:  # pylint: disable=broad-except
         print(f"{name} failed: {type(e).__name__}: {str(e)[:500]}")
         continue

@@ -25,17 +25,18 @@ def median_ms(fn, iters, warmup=2):
 
 
 KernelConfig = collections.namedtuple(
-    "KernelConfig", "bounded block_k split mosaic mosaic_out")
-KERNEL_OPTIONS = ("split", "mosaic", "mosaic_out")
-KERNEL_CONFIG_FORM = "path:block_k[:split][:mosaic][:mosaic_out]"
+    "KernelConfig", "bounded block_k split mosaic mosaic_out tf32x3")
+KERNEL_OPTIONS = ("split", "mosaic", "mosaic_out", "tf32x3")
+KERNEL_CONFIG_FORM = "path:block_k[:split][:mosaic][:mosaic_out][:tf32x3]"
 
 
 def parse_kernel_config(entry):
   """KernelConfig of a profiler's `path:block_k[:option]...` entry (path
   bounded or unbounded; options, each at most once: split, the backward's
   contractions over V in their own kernel; mosaic, the state and dstate
-  passes on Mosaic GPU; mosaic_out, the output kernel on Mosaic GPU).
-  ValueError naming the form otherwise."""
+  passes on Mosaic GPU; mosaic_out, the output kernel on Mosaic GPU;
+  tf32x3, KDA's triangular inverse on 3xTF32 MMAs). ValueError naming the
+  form otherwise."""
   path, _, rest = entry.partition(":")
   block_k, *options = rest.split(":")
   if (path not in ("bounded", "unbounded") or not block_k.isdigit()
@@ -44,4 +45,5 @@ def parse_kernel_config(entry):
     raise ValueError(f"--configs: bad entry {entry!r}; expected "
                      f"{KERNEL_CONFIG_FORM} with path bounded or unbounded")
   return KernelConfig(path == "bounded", int(block_k), "split" in options,
-                      "mosaic" in options, "mosaic_out" in options)
+                      "mosaic" in options, "mosaic_out" in options,
+                      "tf32x3" in options)

@@ -429,3 +429,35 @@ def test_auto_picks_the_unbounded_kernel_without_a_usable_g_min(monkeypatch):
   assert pick(g_min=-5.0) == (ops._IMPLS["pallas"]["kda"], -5.0)
   monkeypatch.setattr(ops.jax, "default_backend", lambda: "cpu")
   assert pick(g_min=None)[0] is ops._IMPLS["xla"]["kda"]
+
+
+def _intra_ttir(tmp_path, dtype, inverse_dot):
+  """The intra kernel's Triton IR of the forward, lowered for sm_90."""
+  from experiments import kernel_resources  # pylint: disable=g-import-not-at-top
+  spec = lambda *s, dt=dtype: jax.ShapeDtypeStruct(s, dt)  # noqa: E731
+  args = (spec(1, 128, 2, 64), spec(1, 128, 2, 64), spec(1, 128, 2, 64),
+          spec(1, 128, 2, 64, dt=jnp.float32), spec(1, 128, 2, dt=jnp.float32))
+
+  def fwd(q, k, v, g, beta):
+    return kda_pallas(q, k, v, g, beta, scale=None, initial_state=None,
+                      chunk_size=64, g_min=G_MIN, inverse_dot=inverse_dot)[0]
+  found = kernel_resources.capture_ttir(fwd, args, str(tmp_path))
+  [path] = [f for f, name, *_ in found if name == "kda_chunk_intra"]
+  return open(path).read()
+
+
+def test_inverse_dot_tf32x3_reaches_the_gpu_lowering(tmp_path):
+  # inverse_dot="tf32x3": the triangular inverse's fp32 dots lower to
+  # Triton's 3xTF32 dots for bf16 inputs; fp32 inputs keep IEEE (their
+  # contract), as does "ieee". (Interpret mode always runs IEEE: the CPU has
+  # no TF32, so its numbers are checked on a card, results/kernels.md.)
+  assert "tf32x3" in _intra_ttir(tmp_path / "a", jnp.bfloat16, "tf32x3")
+  assert "tf32x3" not in _intra_ttir(tmp_path / "b", jnp.bfloat16, "ieee")
+  assert "tf32x3" not in _intra_ttir(tmp_path / "c", jnp.float32, "tf32x3")
+
+
+def test_inverse_dot_must_be_known():
+  q, k, v, g, beta, s0 = make_inputs(0, t=16)
+  with pytest.raises(ValueError, match="inverse_dot must be one of"):
+    kda_pallas(q, k, v, g, beta, scale=None, initial_state=s0, chunk_size=64,
+               g_min=G_MIN, interpret=True, inverse_dot="tf32")

@@ -238,6 +238,17 @@ STATE_PASS = "triton"
 # "mosaic" (state_mosaic.output: both products into one wgmma accumulator,
 # TMA-prefetched chunks); untimed, "triton" until measured.
 OUTPUT_KERNEL = "triton"
+# The intra kernel's triangular inverse (fp32 [16, 16] dots) with bf16
+# inputs: "ieee" (exact fp32, on FFMA: Triton has no IEEE fp32 MMA) or
+# "tf32x3" (three TF32 tensor-core MMAs per dot, the operands split into a
+# high and a low TF32 part: about fp32 accuracy). Resource report (session
+# 17, sm_90, K = 128, bounded, with the backward's residuals): ieee 255
+# registers, 200 B stack, 85 LDL / 41 STL, FFMA 1968, HMMA 130; tf32x3
+# 255, 144 B, 40 / 28, FFMA 488, HMMA 418 (forward only: 488 B -> 96 B of
+# stack). fp32 inputs keep IEEE (the fp32 path's contract) and interpret
+# mode runs IEEE (the CPU has no TF32). Untimed: "ieee" until measured.
+INVERSE_DOT = "ieee"
+INVERSE_DOTS = ("ieee", "tf32x3")
 NUM_STAGES = 2
 
 __all__ = ["kda_pallas", "register", "GMinError", "G_MIN_LOWEST"]
@@ -247,11 +258,26 @@ def _params(kernel):
   return _compiler_params(NUM_WARPS[kernel], NUM_STAGES)
 
 
-def _inv_unit_lower_tile(n, row, col):
+def _f32_dot(inverse_dot):
+  """The fp32 [16, 16] dot of the triangular inverse: IEEE (`_dot`, fp32
+  operands, Precision.HIGHEST) or 3xTF32 (DotAlgorithmPreset
+  TF32_TF32_F32_X3: Triton's tf32x3 input precision)."""
+  if inverse_dot == "ieee":
+    return _dot
+  algorithm = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+
+  def dot(a, b, dims=_NN):
+    return jax.lax.dot_general(a, b, (dims, ((), ())), precision=algorithm,
+                               preferred_element_type=_F32)
+  return dot
+
+
+def _inv_unit_lower_tile(n, row, col, dot=_dot):
   """(I + N)^-1 for one strictly lower [16, 16] fp32 tile, recursive doubling.
 
   X_1 = I; X_2s = X_s - X_s N_s X_s with N_s the part of N in the lower-left
   s x s block of each 2s x 2s diagonal block (see the module docstring).
+  dot: the fp32 dot (`_f32_dot`).
   """
   x = jnp.where(row == col, 1.0, 0.0).astype(_F32)
   s, p = 1, 0
@@ -259,22 +285,22 @@ def _inv_unit_lower_tile(n, row, col):
     rb, cb = jnp.right_shift(row, p), jnp.right_shift(col, p)  # s-block ids
     off = (jnp.bitwise_and(rb, 1) == 1) & (cb == rb - 1)
     n_s = jnp.where(off, n, 0.0)
-    x = x - _dot(_dot(x, n_s), x)
+    x = x - dot(dot(x, n_s), x)
     s, p = 2 * s, p + 1
   return x
 
 
-def _inverse_row(i, lt_row, mt, row, col):
+def _inverse_row(i, lt_row, mt, row, col, dot=_dot):
   """Row tile i of M = (I + L)^-1 (fp32), from row tile i of L (lt_row, the
   i + 1 tiles L_i0 .. L_ii) and the rows above it (mt {(m, j): [16, 16]}):
   M_ii = (I + L_ii)^-1, M_ij = -M_ii sum_{m=j}^{i-1} L_im M_mj (block
-  forward substitution). Adds the row to mt."""
-  mt[i, i] = _inv_unit_lower_tile(lt_row[i], row, col)
+  forward substitution). Adds the row to mt. dot: the fp32 dot."""
+  mt[i, i] = _inv_unit_lower_tile(lt_row[i], row, col, dot)
   for j in range(i):
-    acc = _dot(lt_row[j], mt[j, j])
+    acc = dot(lt_row[j], mt[j, j])
     for m in range(j + 1, i):
-      acc = acc + _dot(lt_row[m], mt[m, j])
-    mt[i, j] = -_dot(mt[i, i], acc)
+      acc = acc + dot(lt_row[m], mt[m, j])
+    mt[i, j] = -dot(mt[i, i], acc)
   return mt
 
 
@@ -301,12 +327,13 @@ def _store_lower_product(out_ref, cols, mt, rhs, mm):
 
 def _intra_kernel(q_ref, k_ref, g_ref, beta_ref, v_ref, w_ref, u_ref,
                   aqk_ref, qg_ref, kg_ref, ec_ref, *grad_refs, bk, bv,
-                  bounded, mm, g_min):
+                  bounded, mm, g_min, inverse_dot="ieee"):
   # q_ref, k_ref, g_ref, w_ref, qg_ref, kg_ref [C, Kp]; beta_ref [C];
   # v_ref, u_ref [C, V]; aqk_ref [C, C] (matmul dtype); ec_ref [Kp];
   # grad_refs: (b_ref [C, Kp] fp32, m_ref [C, C] matmul dtype, lk_ref
   # [C, C] fp32) when the backward needs them, else (). g_min: the bounded
   # path's clamp (g is clamped as it is loaded, _cumsum_tiles) or None.
+  # inverse_dot: the triangular inverse's fp32 dots (INVERSE_DOT).
   #
   # Row tile by row tile: row i of Lk and Aqk is summed over the K slices in
   # a fori_loop (not unrolled: unrolling the slices and the 10 tile pairs
@@ -340,7 +367,8 @@ def _intra_kernel(q_ref, k_ref, g_ref, beta_ref, v_ref, w_ref, u_ref,
     lk[i] = jnp.where(strict, lk[i], 0.0)
     aqk[i] = jnp.where(causal, aqk[i], 0.0)
     _store_row(aqk_ref, i, aqk)
-    mt = _inverse_row(i, [beta_t[i] * l for l in lk], mt, row, col)
+    mt = _inverse_row(i, [beta_t[i] * l for l in lk], mt, row, col,
+                      _f32_dot(inverse_dot))
     if grad_refs:
       _, m_ref, lk_ref = grad_refs
       _store_row(m_ref, i, [mt[i, j] for j in range(i + 1)])
@@ -599,13 +627,15 @@ def _prepare(q, k, v, g, beta, s0, lay):
 
 
 def _intra_call(qp, kp_, gp, betap, vp, lay, bounded, interpret,
-                for_backward=False, g_min=None):
+                for_backward=False, g_min=None, inverse_dot="ieee"):
   """Kernel 1. Returns [W, U, Aqk, qg, kg, ec] (+ [b, M, Lk] with
   for_backward): W, qg = q exp(b), kg = k exp(b_C - b) [B, Tp, H, Kp] and U
   [B, Tp, H, V] in the matmul dtype; b [B, Tp, H, Kp] fp32 (the within-chunk
   cumsum of g); ec = exp(b_C) [B, H, N, Kp] fp32; Aqk, M [B, H, Tp, C] in the
   matmul dtype and Lk [B, H, Tp, C] fp32 (lower triangular [C, C] per
-  chunk). With g_min, g is clamped to it inside the kernel."""
+  chunk). With g_min, g is clamped to it inside the kernel. inverse_dot
+  (INVERSE_DOT) applies to bf16 inputs on the GPU; fp32 inputs and
+  interpret mode use IEEE."""
   kp, dv, mm = lay["kp"], lay["dv"], lay["mm"]
   square = _shape_of(lay, "bsz", "h", "tp", "chunk", dtype=mm)
   seq_k_mm = _shape_of(lay, "bsz", "tp", "h", "kp", dtype=mm)
@@ -622,7 +652,9 @@ def _intra_call(qp, kp_, gp, betap, vp, lay, bounded, interpret,
                   _shape_of(lay, "bsz", "h", "tp", "chunk")]
   return pl.pallas_call(
       functools.partial(_intra_kernel, bk=lay["bk"], bv=lay["bv"],
-                        bounded=bounded, mm=mm, g_min=g_min),
+                        bounded=bounded, mm=mm, g_min=g_min,
+                        inverse_dot=("ieee" if interpret or mm == _F32
+                                     else inverse_dot)),
       grid=(lay["bsz"], lay["h"], lay["n_chunks"]),
       in_specs=[_chunk_spec(kp), _chunk_spec(kp), _chunk_spec(kp),
                 _beta_spec(), _chunk_spec(dv)],
@@ -785,12 +817,12 @@ def _grad_k_call(qp, kp_, bp, betap, dop, v_new, du, da, dlk, states,
 
 
 _STATIC = ("scale", "block_k", "bounded", "interpret", "g_min", "state_pass",
-           "output_kernel")
+           "output_kernel", "inverse_dot")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("for_backward",))
 def _kda_fwd_impl(q, k, v, g, beta, s0, *, scale, block_k, bounded,
-                  interpret, g_min, state_pass, output_kernel,
+                  interpret, g_min, state_pass, output_kernel, inverse_dot,
                   for_backward=False):
   """q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; s0 [B, H, K, V].
 
@@ -800,12 +832,12 @@ def _kda_fwd_impl(q, k, v, g, beta, s0, *, scale, block_k, bounded,
   Aqk, qg, kg, ec, b, M, Lk (O(T (4 K + V + 3 C)), about twice the size of
   the inputs). With g_min (a float), g is clamped to it inside the intra
   kernel; None: no clamp. state_pass, output_kernel: "triton" or
-  "mosaic" (STATE_PASS, OUTPUT_KERNEL).
+  "mosaic" (STATE_PASS, OUTPUT_KERNEL); inverse_dot: INVERSE_DOTS.
   """
   lay = _layout(q, v, block_k)
   qp, kp_, vp, gp, betap, s0p = _prepare(q, k, v, g, beta, s0, lay)
   intra = _intra_call(qp, kp_, gp, betap, vp, lay, bounded, interpret,
-                      for_backward, g_min)
+                      for_backward, g_min, inverse_dot)
   w, u, aqk, qg, kg, ec = intra[:6]
   states, v_new, s_final = _state_pass(w, u, kg, ec, s0p, lay, interpret,
                                        state_pass)
@@ -820,11 +852,11 @@ def _kda_fwd_impl(q, k, v, g, beta, s0, *, scale, block_k, bounded,
 @functools.partial(jax.jit, static_argnames=_STATIC + ("split",))
 def _kda_bwd_impl(q, k, v, beta, s0, intra, g, do, ds_final, *,
                   scale, block_k, bounded, interpret, g_min, state_pass,
-                  output_kernel, split):
+                  output_kernel, inverse_dot, split):
   """(dq, dk, dv, dg, dbeta, ds0) given do [B,T,H,V], ds_final [B,H,K,V] and
   the forward's residuals (the intra kernel's outputs, and g [B,T,H,K] when
   g_min clamps it: dg is zero where g < g_min; else g is None)."""
-  del output_kernel  # the forward's option
+  del output_kernel, inverse_dot  # the forward's options
   lay = _layout(q, v, block_k)
   t, tp, dk, kp, dv = (lay[n] for n in ("t", "tp", "dk", "kp", "dv"))
   qp, kp_, vp, betap, s0p = _prepare_inputs(q, k, v, beta, s0, lay)
@@ -854,17 +886,18 @@ def _kda_bwd_impl(q, k, v, beta, s0, intra, g, do, ds_final, *,
 
 
 @functools.partial(jax.custom_vjp,
-                   nondiff_argnums=(6, 7, 8, 9, 10, 11, 12, 13))
+                   nondiff_argnums=(6, 7, 8, 9, 10, 11, 12, 13, 14))
 def _kda_pallas_vjp(q, k, v, g, beta, s0, scale, block_k, bounded, interpret,
-                    g_min, state_pass, output_kernel, split):
+                    g_min, state_pass, output_kernel, inverse_dot, split):
   del split  # the backward's option
   return _kda_fwd_impl(q, k, v, g, beta, s0, scale=scale, block_k=block_k,
                        bounded=bounded, interpret=interpret, g_min=g_min,
-                       state_pass=state_pass, output_kernel=output_kernel)
+                       state_pass=state_pass, output_kernel=output_kernel,
+                       inverse_dot=inverse_dot)
 
 
 def _vjp_fwd(q, k, v, g, beta, s0, scale, block_k, bounded, interpret, g_min,
-             state_pass, output_kernel, split):
+             state_pass, output_kernel, inverse_dot, split):
   del split  # the backward's option
   # The forward keeps what its intra kernel built (b, W, U, Aqk, M, Lk, qg,
   # kg, ec): the backward does not re-run that kernel (H200, B1 T32768 H16
@@ -872,19 +905,20 @@ def _vjp_fwd(q, k, v, g, beta, s0, scale, block_k, bounded, interpret, g_min,
   out, intra = _kda_fwd_impl(
       q, k, v, g, beta, s0, scale=scale, block_k=block_k, bounded=bounded,
       interpret=interpret, g_min=g_min, state_pass=state_pass,
-      output_kernel=output_kernel, for_backward=True)
+      output_kernel=output_kernel, inverse_dot=inverse_dot,
+      for_backward=True)
   return out, (q, k, v, beta, s0, intra, None if g_min is None else g)
 
 
 def _vjp_bwd(scale, block_k, bounded, interpret, g_min, state_pass,
-             output_kernel, split, res, cts):
+             output_kernel, inverse_dot, split, res, cts):
   q, k, v, beta, s0, intra, g = res
   do, ds_final = cts
   return _kda_bwd_impl(q, k, v, beta, s0, intra, g, do, ds_final,
                        scale=scale, block_k=block_k, bounded=bounded,
                        interpret=interpret, g_min=g_min,
                        state_pass=state_pass, output_kernel=output_kernel,
-                       split=split)
+                       inverse_dot=inverse_dot, split=split)
 
 
 _kda_pallas_vjp.defvjp(_vjp_fwd, _vjp_bwd)
@@ -892,7 +926,8 @@ _kda_pallas_vjp.defvjp(_vjp_fwd, _vjp_bwd)
 
 def kda_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min,
                interpret=False, bounded=None, block_k=None,
-               split_grad_k=None, state_pass=None, output_kernel=None):
+               split_grad_k=None, state_pass=None, output_kernel=None,
+               inverse_dot=None):
   """Chunked KDA, forward and backward as Pallas kernels (jax.custom_vjp).
 
   Args:
@@ -916,6 +951,9 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min,
       "mosaic" needs bf16 inputs and K > 32.
     output_kernel: "triton" or "mosaic": the output kernel (default
       OUTPUT_KERNEL; "mosaic" needs bf16 inputs and K > 32).
+    inverse_dot: "ieee" or "tf32x3": the intra kernel's triangular inverse
+      on FFMA or on 3xTF32 tensor-core MMAs (default INVERSE_DOT; bf16
+      inputs on the GPU only, else IEEE).
   Returns:
     o [B, T, H, V] in v.dtype, final state [B, H, K, V] fp32.
   """
@@ -952,6 +990,10 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min,
     if value not in STATE_PASSES:
       raise ValueError(f"{name} must be one of {STATE_PASSES} or None, got "
                        f"{given!r}")
+  inv = INVERSE_DOT if inverse_dot is None else inverse_dot
+  if inv not in INVERSE_DOTS:
+    raise ValueError(f"inverse_dot must be one of {INVERSE_DOTS} or None, "
+                     f"got {inverse_dot!r}")
   kp = _next_pow2(dk)
   if passes == "mosaic":
     state_mosaic.check_state_pass(kp, dv, v.dtype, kp, BLOCK_V_PASS,
@@ -963,7 +1005,7 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min,
   return _kda_pallas_vjp(q, k, v, g.astype(_F32), beta,
                          initial_state.astype(_F32), scale, int(block_k),
                          bool(bounded), bool(interpret), clamp, passes,
-                         out_kernel, split)
+                         out_kernel, inv, split)
 
 
 def register():

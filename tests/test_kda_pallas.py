@@ -461,3 +461,51 @@ def test_inverse_dot_must_be_known():
   with pytest.raises(ValueError, match="inverse_dot must be one of"):
     kda_pallas(q, k, v, g, beta, scale=None, initial_state=s0, chunk_size=64,
                g_min=G_MIN, interpret=True, inverse_dot="tf32")
+
+
+def _tf32(x):
+  """fp32 rounded to TF32 (10 mantissa bits, to nearest, ties away)."""
+  bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+  bits = (bits + jnp.uint32(0x1000)) & jnp.uint32(0xFFFFE000)
+  return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _dot_3xtf32(a, b, dims=((1,), (0,))):
+  """Triton's tf32x3 dot, emulated: a b ~ a_s b_b + a_b b_s + a_b b_b with
+  x_b = tf32(x), x_s = tf32(x - x_b), fp32 accumulation."""
+  a_b, b_b = _tf32(a), _tf32(b)
+  a_s, b_s = _tf32(a - a_b), _tf32(b - b_b)
+  dot = lambda x, y: jax.lax.dot_general(  # noqa: E731
+      x, y, (dims, ((), ())), precision="highest",
+      preferred_element_type=jnp.float32)
+  return dot(a_s, b_b) + dot(a_b, b_s) + dot(a_b, b_b)
+
+
+def test_inverse_tolerates_3xtf32_dots():
+  # The intra kernel's block inverse (recursive doubling on the diagonal
+  # tiles, block forward substitution off it) with every fp32 dot on
+  # emulated 3xTF32 (inverse_dot="tf32x3" on the GPU) stays at fp32
+  # accuracy vs float64 on the hard case (near-identical keys, beta ~ 1,
+  # g ~ 0), as with IEEE dots.
+  from pallas_kernels.linear_attention import kda_pallas as kp  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(11)
+  k = rng.standard_normal((1, 64)) + 0.05 * rng.standard_normal((64, 64))
+  k /= np.linalg.norm(k, axis=1, keepdims=True)
+  lmat = 0.999 * (k @ k.T) * np.exp(-1e-3 * (np.arange(64)[:, None]
+                                             - np.arange(64)[None, :]))
+  lmat *= np.tri(64, k=-1)
+  want = np.linalg.inv(np.eye(64) + lmat)
+  row, col = (jnp.asarray(x) for x in np.meshgrid(
+      np.arange(16), np.arange(16), indexing="ij"))
+  lmat32 = jnp.asarray(lmat, jnp.float32)
+  errs = {}
+  for name, dot in (("ieee", kp._dot), ("tf32x3", _dot_3xtf32)):
+    mt = {}
+    for i in range(4):
+      mt = kp._inverse_row(i, [lmat32[16 * i:16 * i + 16, 16 * j:16 * j + 16]
+                               for j in range(i + 1)], mt, row, col, dot)
+    got = np.zeros((64, 64))
+    for (i, j), tile in mt.items():
+      got[16 * i:16 * i + 16, 16 * j:16 * j + 16] = np.asarray(tile)
+    errs[name] = np.abs(got - want).max() / np.abs(want).max()
+  assert errs["ieee"] < 2e-6 and errs["tf32x3"] < 2e-6, errs

@@ -98,7 +98,7 @@ from pallas_kernels.linear_attention.chunk_common import (
     _row_slice_operands, _tile, _tile_iota, check_dims, check_g_min,
     _next_pow2)
 from pallas_kernels.linear_attention import state_mosaic
-from pallas_kernels.linear_attention.state_mosaic import STATE_PASSES
+from pallas_kernels.linear_attention.state_mosaic import STAGE_KERNELS
 
 __all__ = ["gla_pallas", "register", "Tuning", "DEFAULT_TUNING", "check_tuning",
            "GMinError", "G_MIN_LOWEST", "CHUNK", "TILE", "MAX_DIM",
@@ -526,8 +526,8 @@ def check_tuning(tune):
     raise ValueError(f"tune.split_grad_k must be True or False, got "
                      f"{tune.split_grad_k!r}")
   for name in ("state_pass", "output_kernel"):
-    if getattr(tune, name) not in STATE_PASSES:
-      raise ValueError(f"tune.{name} must be one of {STATE_PASSES}, got "
+    if getattr(tune, name) not in STAGE_KERNELS:
+      raise ValueError(f"tune.{name} must be one of {STAGE_KERNELS}, got "
                        f"{getattr(tune, name)!r}")
 
 

@@ -179,7 +179,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.linear_attention import ops
 from pallas_kernels.linear_attention import state_mosaic
-from pallas_kernels.linear_attention.state_mosaic import STATE_PASSES
+from pallas_kernels.linear_attention.state_mosaic import STAGE_KERNELS
 from pallas_kernels.linear_attention.chunk_common import (
     CHUNK, G_MIN_LOWEST, N_TILES, TILE, _F32, _NN, _NT, _TN, GMinError,
     _block_v, _chunk_spec, _compiler_params, _cumsum_tiles, _decay_tiles,
@@ -987,8 +987,8 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min,
   out_kernel = OUTPUT_KERNEL if output_kernel is None else output_kernel
   for name, value, given in (("state_pass", passes, state_pass),
                              ("output_kernel", out_kernel, output_kernel)):
-    if value not in STATE_PASSES:
-      raise ValueError(f"{name} must be one of {STATE_PASSES} or None, got "
+    if value not in STAGE_KERNELS:
+      raise ValueError(f"{name} must be one of {STAGE_KERNELS} or None, got "
                        f"{given!r}")
   inv = INVERSE_DOT if inverse_dot is None else inverse_dot
   if inv not in INVERSE_DOTS:

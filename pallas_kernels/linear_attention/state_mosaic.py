@@ -58,7 +58,7 @@ from pallas_kernels.linear_attention.chunk_common import CHUNK
 
 _F32 = jnp.float32
 LAYOUTS = ("rows", "cols")
-STATE_PASSES = ("triton", "mosaic")   # the ops' state_pass choices
+STAGE_KERNELS = ("triton", "mosaic")   # state_pass, output_kernel choices
 BLOCK_V = 16        # V block per program: B1 H16 V128 -> 128 programs
 _SLOTS = 2          # double-buffered inputs and outputs
 SMEM_LIMIT = 227 * 1024   # bytes of shared memory per block on sm_90

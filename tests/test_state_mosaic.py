@@ -410,3 +410,48 @@ def test_kda_layer_runs_the_mosaic_stages():
   np.testing.assert_allclose(float(l_m), float(l_t), rtol=1e-3)
   for a, b in zip(jax.tree.leaves(g_m), jax.tree.leaves(g_t)):
     assert rel_err(a, b) < 2e-2
+
+
+def test_auto_state_pass_picks_mosaic_where_it_applies():
+  # "auto" (the default): Mosaic on a GPU for bf16 with K a multiple of 64
+  # and shared memory to spare (measured faster, session 17); Triton for
+  # fp32, K <= 32, KDA at K = 256 (its reverse pass does not fit), and in
+  # interpret mode.
+  pick = functools.partial(sm.resolve_state_pass, "auto", dv=128, bv=16)
+  assert pick(kp=128, dtype=BF16, bk=128, interpret=False, kda=True) == "mosaic"
+  assert pick(kp=128, dtype=BF16, bk=64, interpret=False, kda=False) == "mosaic"
+  assert pick(kp=128, dtype=BF16, bk=128, interpret=True, kda=True) == "triton"
+  assert pick(kp=128, dtype=jnp.float32, bk=128, interpret=False,
+              kda=True) == "triton"
+  assert pick(kp=32, dtype=BF16, bk=32, interpret=False, kda=True) == "triton"
+  assert pick(kp=256, dtype=BF16, bk=256, interpret=False, kda=True) == "triton"
+  assert pick(kp=256, dtype=BF16, bk=64, interpret=False, kda=False) == "mosaic"
+  assert sm.resolve_state_pass("triton", 128, 128, BF16, 128, 16, False,
+                               True) == "triton"
+
+
+@pytest.mark.parametrize("name", ("kda", "gla"))
+def test_default_gpu_lowering_runs_the_mosaic_passes(name):
+  # The ops with their defaults, lowered for a card (no interpret): the
+  # state passes are the Mosaic kernels, the output stays Triton.
+  spec = lambda *s, dt=BF16: jax.ShapeDtypeStruct(s, dt)  # noqa: E731
+  q, v = spec(1, 128, 2, 128), spec(1, 128, 2, 128)
+  g, beta = spec(1, 128, 2, 128, dt=jnp.float32), spec(1, 128, 2,
+                                                       dt=jnp.float32)
+  if name == "kda":
+    fn = lambda q, k, v, g, beta: kda.kda_pallas(  # noqa: E731
+        q, k, v, g, beta, scale=None, initial_state=None, chunk_size=64,
+        g_min=-5.0)[0]
+  else:
+    fn = lambda q, k, v, g, beta: gla.gla_pallas(  # noqa: E731
+        q, k, v, g, scale=None, initial_state=None, chunk_size=64,
+        g_min=-5.0)[0]
+  from experiments import kernel_resources  # pylint: disable=g-import-not-at-top
+  undo = kernel_resources._assume_gpu_without_one(90)   # jax >= 0.11 asks
+  try:
+    text = jax.jit(fn).trace(q, q, v, g, beta).lower(
+        lowering_platforms=("cuda",)).as_text()
+  finally:
+    undo()
+  assert f"{name}_state_pass_mosaic" in text
+  assert "chunk_output_mosaic" not in text

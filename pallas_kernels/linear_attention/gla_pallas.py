@@ -98,7 +98,8 @@ from pallas_kernels.linear_attention.chunk_common import (
     _row_slice_operands, _tile, _tile_iota, check_dims, check_g_min,
     _next_pow2)
 from pallas_kernels.linear_attention import state_mosaic
-from pallas_kernels.linear_attention.state_mosaic import STAGE_KERNELS
+from pallas_kernels.linear_attention.state_mosaic import (
+    STAGE_KERNELS, STATE_PASS_CHOICES)
 
 __all__ = ["gla_pallas", "register", "Tuning", "DEFAULT_TUNING", "check_tuning",
            "GMinError", "G_MIN_LOWEST", "CHUNK", "TILE", "MAX_DIM",
@@ -127,9 +128,11 @@ class Tuning:
   state_side_warps: int = 4
   # The state and dstate passes as Triton ("triton") or Mosaic GPU
   # ("mosaic": wgmma + TMA, state_mosaic.py, blocks pass_bk x pass_bv; bf16,
-  # K >= 64) kernels; untimed (session 17).
-  state_pass: str = "triton"
-  # The output kernel likewise ("mosaic": state_mosaic.output, block bv).
+  # K >= 64) kernels; "auto": Mosaic on a GPU where it applies. H200 B1
+  # T32768 H16 D128 fwd+bwd (session 17): Triton 6.73, Mosaic 6.37 ms.
+  state_pass: str = "auto"
+  # The output kernel likewise ("mosaic": state_mosaic.output, block bv);
+  # H200 (session 17): 6.69 vs 6.73 ms, within noise: "triton".
   output_kernel: str = "triton"
 
   def params(self, kernel):
@@ -525,9 +528,10 @@ def check_tuning(tune):
   if not isinstance(tune.split_grad_k, bool):
     raise ValueError(f"tune.split_grad_k must be True or False, got "
                      f"{tune.split_grad_k!r}")
-  for name in ("state_pass", "output_kernel"):
-    if getattr(tune, name) not in STAGE_KERNELS:
-      raise ValueError(f"tune.{name} must be one of {STAGE_KERNELS}, got "
+  for name, allowed in (("state_pass", STATE_PASS_CHOICES),
+                        ("output_kernel", STAGE_KERNELS)):
+    if getattr(tune, name) not in allowed:
+      raise ValueError(f"tune.{name} must be one of {allowed}, got "
                        f"{getattr(tune, name)!r}")
 
 
@@ -559,6 +563,9 @@ def gla_pallas(q, k, v, g, *, scale, initial_state, chunk_size, g_min,
   bsz, _, h, dk = q.shape
   dv = v.shape[-1]
   kp = _next_pow2(dk)
+  tune = dataclasses.replace(tune, state_pass=state_mosaic.resolve_state_pass(
+      tune.state_pass, kp, dv, v.dtype, min(kp, tune.pass_bk),
+      _block_v(dv, tune.pass_bv), interpret, kda=False))
   if tune.state_pass == "mosaic":
     state_mosaic.check_state_pass(
         kp, dv, v.dtype, min(kp, tune.pass_bk), _block_v(dv, tune.pass_bv),

@@ -179,7 +179,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.linear_attention import ops
 from pallas_kernels.linear_attention import state_mosaic
-from pallas_kernels.linear_attention.state_mosaic import STAGE_KERNELS
+from pallas_kernels.linear_attention.state_mosaic import (
+    STAGE_KERNELS, STATE_PASS_CHOICES)
 from pallas_kernels.linear_attention.chunk_common import (
     CHUNK, G_MIN_LOWEST, N_TILES, TILE, _F32, _NN, _NT, _TN, GMinError,
     _block_v, _chunk_spec, _compiler_params, _cumsum_tiles, _decay_tiles,
@@ -226,17 +227,22 @@ NUM_WARPS = dict(intra=4, state=8, output=4, dv_intra=2, dstate=8, grad_v=4,
 # grad_k as fp32 [C, w] slices (True). grad_k is the largest kernel (4.2 ms
 # of ~10 at B1 T32768, 255 registers): the split takes its V loops and
 # their [16, V] operands out, for ~1.6 GB of fp32 traffic (write + read) at
-# that shape. Untimed (session 16: no device); False until measured.
+# that shape. H200, same process (session 17, ab_kernels): fused 10.88 /
+# split 11.46 ms fwd+bwd at B1 T32768, 19.57 / 21.16 at B8 T8192: False.
 SPLIT_GRAD_K = False
 BLOCK_K_STATE_SIDE = 64
 # The two sequential passes (state, dstate) as Triton kernels ("triton") or
 # as Mosaic GPU kernels with warpgroup MMAs and TMA prefetch ("mosaic",
-# state_mosaic.py: bf16 and K >= 64 only). The issue's next step after the
-# Triton profile; untimed (session 17: no device), "triton" until measured.
-STATE_PASS = "triton"
+# state_mosaic.py: bf16 and K >= 64 only); "auto": Mosaic on a GPU where it
+# applies, else Triton (state_mosaic.resolve_state_pass). H200, same
+# process (session 17, ab_kernels, fwd+bwd): Triton 10.88 / Mosaic 9.69 ms
+# at B1 T32768 H16 D128, 19.57 / 19.15 at B8 T8192 (o and gradients within
+# 3e-5 of each other).
+STATE_PASS = "auto"
 # The output kernel O = scale ((q exp(b)) S + Aqk V') likewise: "triton" or
 # "mosaic" (state_mosaic.output: both products into one wgmma accumulator,
-# TMA-prefetched chunks); untimed, "triton" until measured.
+# TMA-prefetched chunks). H200 (session 17): Mosaic 11.13 vs Triton 10.88
+# ms at B1 T32768, 19.44 vs 19.57 at B8 T8192: "triton".
 OUTPUT_KERNEL = "triton"
 # The intra kernel's triangular inverse (fp32 [16, 16] dots) with bf16
 # inputs: "ieee" (exact fp32, on FFMA: Triton has no IEEE fp32 MMA) or
@@ -246,7 +252,9 @@ OUTPUT_KERNEL = "triton"
 # registers, 200 B stack, 85 LDL / 41 STL, FFMA 1968, HMMA 130; tf32x3
 # 255, 144 B, 40 / 28, FFMA 488, HMMA 418 (forward only: 488 B -> 96 B of
 # stack). fp32 inputs keep IEEE (the fp32 path's contract) and interpret
-# mode runs IEEE (the CPU has no TF32). Untimed: "ieee" until measured.
+# mode runs IEEE (the CPU has no TF32). H200, same process (session 17):
+# tf32x3 is SLOWER despite the fewer spills, fwd 4.47 vs 3.53 ms and
+# fwd+bwd 12.06 vs 10.88 ms at B1 T32768: "ieee".
 INVERSE_DOT = "ieee"
 INVERSE_DOTS = ("ieee", "tf32x3")
 NUM_STAGES = 2
@@ -946,9 +954,10 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min,
     split_grad_k: run the backward's contractions over V in a kernel of
       their own before grad_k (default SPLIT_GRAD_K; an ablation knob until
       timed on a card, results/kernels.md session 16).
-    state_pass: "triton" or "mosaic": the sequential state and dstate
-      passes as Triton or Mosaic GPU (wgmma) kernels (default STATE_PASS).
-      "mosaic" needs bf16 inputs and K > 32.
+    state_pass: "auto", "triton" or "mosaic": the sequential state and
+      dstate passes as Triton or Mosaic GPU (wgmma) kernels (default
+      STATE_PASS, "auto": Mosaic on a GPU where it applies, measured
+      faster). "mosaic" needs bf16 inputs and K > 32.
     output_kernel: "triton" or "mosaic": the output kernel (default
       OUTPUT_KERNEL; "mosaic" needs bf16 inputs and K > 32).
     inverse_dot: "ieee" or "tf32x3": the intra kernel's triangular inverse
@@ -985,16 +994,20 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min,
                      f"{split_grad_k!r}")
   passes = STATE_PASS if state_pass is None else state_pass
   out_kernel = OUTPUT_KERNEL if output_kernel is None else output_kernel
-  for name, value, given in (("state_pass", passes, state_pass),
-                             ("output_kernel", out_kernel, output_kernel)):
-    if value not in STAGE_KERNELS:
-      raise ValueError(f"{name} must be one of {STAGE_KERNELS} or None, got "
+  for name, value, given, allowed in (
+      ("state_pass", passes, state_pass, STATE_PASS_CHOICES),
+      ("output_kernel", out_kernel, output_kernel, STAGE_KERNELS)):
+    if value not in allowed:
+      raise ValueError(f"{name} must be one of {allowed} or None, got "
                        f"{given!r}")
   inv = INVERSE_DOT if inverse_dot is None else inverse_dot
   if inv not in INVERSE_DOTS:
     raise ValueError(f"inverse_dot must be one of {INVERSE_DOTS} or None, "
                      f"got {inverse_dot!r}")
   kp = _next_pow2(dk)
+  passes = state_mosaic.resolve_state_pass(
+      passes, kp, dv, v.dtype, kp, _block_v(dv, BLOCK_V_PASS), interpret,
+      kda=True)
   if passes == "mosaic":
     state_mosaic.check_state_pass(kp, dv, v.dtype, kp, BLOCK_V_PASS,
                                   state_mosaic.default_layout(interpret),

@@ -58,7 +58,8 @@ from pallas_kernels.linear_attention.chunk_common import CHUNK
 
 _F32 = jnp.float32
 LAYOUTS = ("rows", "cols")
-STAGE_KERNELS = ("triton", "mosaic")   # state_pass, output_kernel choices
+STAGE_KERNELS = ("triton", "mosaic")   # output_kernel choices
+STATE_PASS_CHOICES = ("auto",) + STAGE_KERNELS   # state_pass choices
 BLOCK_V = 16        # V block per program: B1 H16 V128 -> 128 programs
 _SLOTS = 2          # double-buffered inputs and outputs
 SMEM_LIMIT = 227 * 1024   # bytes of shared memory per block on sm_90
@@ -365,11 +366,8 @@ def _sizes(x, s0, bk, bv, layout, whole_k):
   return bsz, tp, h, dv, kp, bk, tp // CHUNK
 
 
-def _gla_like_pass(kg, x, ec, s0, w, *, bk, bv, layout, reverse, scale,
-                   interpret, name):
-  bsz, tp, h, dv, kp, bk, n_chunks = _sizes(x, s0, bk, bv, layout,
-                                            whole_k=w is not None)
-  mm, has_w = x.dtype, w is not None
+def _gla_like_scratch(kp, bk, bv, has_w, layout, mm):
+  """Shared memory of `_state_kernel`, in its order."""
   swz = bv * jnp.dtype(mm).itemsize            # one swizzle for all operands
   scratch = [_smem((CHUNK, bk) if layout == "rows" else (bk, CHUNK), mm, swz),
              _smem((CHUNK, bv), mm, swz)]
@@ -378,9 +376,56 @@ def _gla_like_pass(kg, x, ec, s0, w, *, bk, bv, layout, reverse, scale,
   scratch += [_smem((bk,), _F32), _smem((bk, bv), mm, swz)]
   if has_w:
     scratch.append(_smem((CHUNK, bv), mm, swz))
-  scratch += [_state_smem(bk, bv),
-              plgpu.Barrier(num_barriers=(4 if has_w else 3) * _SLOTS),
-              plgpu.Barrier()]
+  return scratch + [_state_smem(bk, bv),
+                    plgpu.Barrier(num_barriers=(4 if has_w else 3) * _SLOTS),
+                    plgpu.Barrier()]
+
+
+def _kda_dstate_scratch(kp, bv, layout, mm):
+  """Shared memory of `_kda_dstate_kernel`, in its order."""
+  swz = bv * jnp.dtype(mm).itemsize
+  t_block = (CHUNK, kp) if layout == "rows" else (kp, CHUNK)
+  return [_smem(t_block, mm, swz), _smem((CHUNK, kp), mm, swz),
+          _smem(t_block, mm, swz), _smem((kp,), _F32),
+          _smem((CHUNK, bv), mm, swz),
+          _smem((CHUNK, bv), _F32, min(128, bv * 4)),
+          _smem((kp, bv), mm, swz), _smem((CHUNK, bv), mm, swz),
+          _state_smem(kp, bv),
+          plgpu.Barrier(num_barriers=6 * _SLOTS), plgpu.Barrier()]
+
+
+def resolve_state_pass(choice, kp, dv, dtype, bk, bv, interpret, kda):
+  """The state passes a call runs: choice "triton" or "mosaic" as given;
+  "auto" is "mosaic" on a GPU wherever the Mosaic passes apply (bf16, Kp a
+  multiple of 64, blocks valid, shared memory within the limit for every
+  pass of the op) and "triton" elsewhere, interpret mode included (the
+  Mosaic passes are tested explicitly there: tests/test_state_mosaic.py).
+  Measured on an H200 (session 17, results/kernels.md): the Mosaic passes
+  take KDA fwd+bwd from 10.88 to 9.69 ms at B1 T32768 H16 D128 and from
+  19.57 to 19.15 ms at B8 T8192; GLA from 6.73 to 6.37 ms at B1 T32768."""
+  if choice != "auto":
+    return choice
+  if interpret or plgpu is None:
+    return "triton"
+  layout = default_layout(False)
+  try:
+    check_state_pass(kp, dv, dtype, bk, bv, layout, whole_k=kda)
+  except ValueError:
+    return "triton"
+  mm = jnp.dtype(dtype)
+  passes = [_gla_like_scratch(kp, bk, bv, kda, layout, mm)]
+  passes.append(_kda_dstate_scratch(kp, bv, layout, mm) if kda else
+                _gla_like_scratch(kp, bk, bv, False, layout, mm))
+  fits = all(_smem_bytes(s) <= SMEM_LIMIT for s in passes)
+  return "mosaic" if fits else "triton"
+
+
+def _gla_like_pass(kg, x, ec, s0, w, *, bk, bv, layout, reverse, scale,
+                   interpret, name):
+  bsz, tp, h, dv, kp, bk, n_chunks = _sizes(x, s0, bk, bv, layout,
+                                            whole_k=w is not None)
+  mm, has_w = x.dtype, w is not None
+  scratch = _gla_like_scratch(kp, bk, bv, has_w, layout, mm)
   out_type = [jax.ShapeDtypeStruct((bsz, h, n_chunks, kp, dv), mm)]
   if has_w:
     out_type.append(jax.ShapeDtypeStruct((bsz, tp, h, dv), mm))
@@ -451,15 +496,7 @@ def kda_dstate_pass(qg, kg, w, ec, do, dv_intra, ds_final, *, scale,
   bsz, tp, h, dv, kp, _, n_chunks = _sizes(do, ds_final, None, bv, layout,
                                            whole_k=True)
   mm = do.dtype
-  swz = bv * jnp.dtype(mm).itemsize
-  t_block = (CHUNK, kp) if layout == "rows" else (kp, CHUNK)
-  scratch = [_smem(t_block, mm, swz), _smem((CHUNK, kp), mm, swz),
-             _smem(t_block, mm, swz), _smem((kp,), _F32),
-             _smem((CHUNK, bv), mm, swz),
-             _smem((CHUNK, bv), _F32, min(128, bv * 4)),
-             _smem((kp, bv), mm, swz), _smem((CHUNK, bv), mm, swz),
-             _state_smem(kp, bv),
-             plgpu.Barrier(num_barriers=6 * _SLOTS), plgpu.Barrier()]
+  scratch = _kda_dstate_scratch(kp, bv, layout, mm)
   out_type = [jax.ShapeDtypeStruct((bsz, h, n_chunks, kp, dv), mm),
               jax.ShapeDtypeStruct((bsz, tp, h, dv), mm),
               jax.ShapeDtypeStruct((bsz, h, kp, dv), _F32)]

@@ -26,7 +26,8 @@ from absl import app, flags
 import jax
 import jax.numpy as jnp
 
-from experiments.timing import median_ms, parse_kernel_config
+from experiments.timing import (median_ms, parse_int_overrides,
+                                parse_kernel_config)
 from pallas_kernels.linear_attention import gla_pallas as gp
 from pallas_kernels.linear_attention.chunk_common import _output_call, _pad  # pylint: disable=protected-access
 
@@ -54,14 +55,11 @@ _INT_FIELDS = tuple(f.name for f in dataclasses.fields(gp.Tuning)
 def parse_flags():
   """[(label, Tuning)] and the Tuning overrides; raises
   app.UsageError naming the flag and the allowed values."""
-  overrides = {}
-  for pair in _TUNE.value:
-    name, _, value = pair.partition("=")
-    if name not in _INT_FIELDS or not value.isdigit():
-      raise app.UsageError(
-          f"--tune: bad entry {pair!r}; expected name=int with name one of "
-          f"{', '.join(_INT_FIELDS)}")
-    overrides[name] = int(value)
+  try:
+    overrides = parse_int_overrides("--tune", _TUNE.value, "=", "name=int",
+                                    _INT_FIELDS)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
   configs = []
   for cfg in _CONFIGS.value:
     try:

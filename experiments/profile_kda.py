@@ -30,7 +30,8 @@ from absl import app, flags
 import jax
 import jax.numpy as jnp
 
-from experiments.timing import median_ms, parse_kernel_config
+from experiments.timing import (median_ms, parse_int_overrides,
+                                parse_kernel_config)
 from pallas_kernels.linear_attention import kda_pallas as kp
 
 _OUT = flags.DEFINE_string("out", "/tmp/profile_kda", "Output folder.")
@@ -153,14 +154,11 @@ def main(argv):
   del argv
   orig_warps, orig_stages = dict(kp.NUM_WARPS), kp.NUM_STAGES
   orig_bv = kp.BLOCK_V_PASS
-  overrides = {}   # checked before any input is built
-  for pair in _SET_WARPS.value:
-    name, _, n = pair.partition(":")
-    if name not in orig_warps or not n.isdigit():
-      raise app.UsageError(
-          f"--set_warps: bad entry {pair!r}; expected kernel:N with kernel "
-          f"one of {', '.join(orig_warps)}")
-    overrides[name] = int(n)
+  try:   # the flags are checked before any input is built
+    overrides = parse_int_overrides("--set_warps", _SET_WARPS.value, ":",
+                                    "kernel:N", tuple(orig_warps))
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
   configs = []
   for cfg in _CONFIGS.value:
     try:

@@ -24,6 +24,21 @@ def median_ms(fn, iters, warmup=2):
   return 1e3 * float(np.median(times))
 
 
+def parse_int_overrides(flag, pairs, sep, form, allowed):
+  """{name: int} of a profiler's override flag: entries name<sep>int with
+  name in `allowed`. ValueError naming the flag, the form (e.g. "kernel:N")
+  and the allowed names otherwise."""
+  key = form.split(sep)[0]
+  out = {}
+  for pair in pairs:
+    name, _, value = pair.partition(sep)
+    if name not in allowed or not value.isdigit():
+      raise ValueError(f"{flag}: bad entry {pair!r}; expected {form} with "
+                       f"{key} one of {', '.join(allowed)}")
+    out[name] = int(value)
+  return out
+
+
 KernelConfig = collections.namedtuple(
     "KernelConfig", "bounded block_k split mosaic mosaic_out tf32x3")
 KERNEL_OPTIONS = ("split", "mosaic", "mosaic_out", "tf32x3")

@@ -343,19 +343,21 @@ def _smem_bytes(scratch):
              for x in scratch if hasattr(x, "shape"))
 
 
-def _launch(kernel, args, out_type, scratch, *, bsz, h, nk, nv, interpret,
-            name):
+def _launch(kernel, args, out_type, scratch, *, grid, interpret, name,
+            grid_names=("b", "h", "i", "j"), what="state_pass"):
+  """Runs one Mosaic kernel after checking its shared memory (the error
+  names the option `what`)."""
   nbytes = _smem_bytes(scratch)
   if nbytes > SMEM_LIMIT:
     raise ValueError(
-        f"state_pass='mosaic' needs {nbytes} bytes of shared memory per "
-        f"block at these sizes (limit {SMEM_LIMIT}); use a smaller block_v "
-        "or state_pass='triton'")
+        f"{what}='mosaic' needs {nbytes} bytes of shared memory per block at "
+        f"these sizes (limit {SMEM_LIMIT}); use a smaller block_v or "
+        f"{what}='triton'")
   call = plgpu.kernel(
-      kernel, out_type=out_type, scratch_types=scratch,
-      grid=(bsz, h, nk, nv), grid_names=("b", "h", "i", "j"),
-      kernel_name=name, interpret=_interpret_params(interpret))
-  return tuple(call(*args))
+      kernel, out_type=out_type, scratch_types=scratch, grid=grid,
+      grid_names=grid_names, kernel_name=name,
+      interpret=_interpret_params(interpret))
+  return call(*args)
 
 
 def _sizes(x, s0, bk, bv, layout, whole_k):
@@ -435,8 +437,9 @@ def _gla_like_pass(kg, x, ec, s0, w, *, bk, bv, layout, reverse, scale,
       reverse=reverse, scale=float(scale), layout=layout, mm=mm,
       interpret=bool(interpret))
   args = (kg, x) + ((w,) if has_w else ()) + (ec, s0)
-  return _launch(kernel, args, out_type, scratch, bsz=bsz, h=h,
-                 nk=kp // bk, nv=dv // bv, interpret=interpret, name=name)
+  return tuple(_launch(kernel, args, out_type, scratch,
+                       grid=(bsz, h, kp // bk, dv // bv), interpret=interpret,
+                       name=name))
 
 
 def state_pass(kg, x, ec, s0, w=None, *, bk=None, bv=BLOCK_V, layout="rows",
@@ -503,9 +506,9 @@ def kda_dstate_pass(qg, kg, w, ec, do, dv_intra, ds_final, *, scale,
   kernel = functools.partial(
       _kda_dstate_kernel, n_chunks=n_chunks, kp=kp, bv=bv, scale=float(scale),
       layout=layout, mm=mm, interpret=bool(interpret))
-  return _launch(kernel, (qg, kg, w, ec, do, dv_intra, ds_final), out_type,
-                 scratch, bsz=bsz, h=h, nk=1, nv=dv // bv,
-                 interpret=interpret, name="kda_dstate_pass_mosaic")
+  return tuple(_launch(kernel, (qg, kg, w, ec, do, dv_intra, ds_final),
+                       out_type, scratch, grid=(bsz, h, 1, dv // bv),
+                       interpret=interpret, name="kda_dstate_pass_mosaic"))
 
 
 def _output_kernel(qg_g, aqk_g, x_g, states_g, o_g,
@@ -566,16 +569,10 @@ def output(qg, aqk, x, states, *, scale, out_dtype, bv=64, per_program=None,
              _smem((CHUNK, bv), mm, swz), _smem((kp, bv), mm, swz),
              _smem((CHUNK, bv), out_dtype),
              plgpu.Barrier(num_barriers=4 * _SLOTS)]
-  nbytes = _smem_bytes(scratch)
-  if nbytes > SMEM_LIMIT:
-    raise ValueError(f"the Mosaic output kernel needs {nbytes} bytes of "
-                     f"shared memory per block (limit {SMEM_LIMIT})")
   kernel = functools.partial(_output_kernel, per_program=per_program, bv=bv,
                              scale=float(scale), out_dtype=out_dtype)
-  call = plgpu.kernel(
-      kernel, out_type=jax.ShapeDtypeStruct((bsz, tp, h, dv), out_dtype),
-      scratch_types=scratch,
-      grid=(bsz, h, dv // bv, n_chunks // per_program),
-      grid_names=("b", "h", "j", "c"), kernel_name="chunk_output_mosaic",
-      interpret=_interpret_params(interpret))
-  return call(qg, aqk, x, states)
+  return _launch(kernel, (qg, aqk, x, states),
+                 jax.ShapeDtypeStruct((bsz, tp, h, dv), out_dtype), scratch,
+                 grid=(bsz, h, dv // bv, n_chunks // per_program),
+                 grid_names=("b", "h", "j", "c"), interpret=interpret,
+                 name="chunk_output_mosaic", what="output_kernel")

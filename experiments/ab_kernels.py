@@ -7,7 +7,8 @@ with options ("main+split": the split backward, kda_pallas split_grad_k /
 gla_pallas Tuning.split_grad_k; "main+mosaic": the state and dstate passes
 on Mosaic GPU, state_pass="mosaic" / Tuning.state_pass; "main+mosaic_out":
 the output kernel on Mosaic GPU, output_kernel / Tuning.output_kernel;
-"main+tf32x3": KDA's triangular inverse on 3xTF32 MMAs, inverse_dot; any
+"main+tf32x3": KDA's triangular inverse on 3xTF32 MMAs, inverse_dot;
+"main+stream": KDA's grad_k rows last first, stream_grad_k; any
 combination, e.g. "main+split+mosaic+mosaic_out"), or any file holding an
 older copy of the module,
 e.g. one taken from git before the device call:
@@ -49,7 +50,7 @@ from experiments.timing import median_ms
 _VERSIONS = flags.DEFINE_list(
     "versions", ["kda:main", "kda:main+split", "gla:main", "gla:main+split"],
     "op:version entries: op kda|gla; version main with options +split, "
-    "+mosaic, +mosaic_out, +tf32x3 (kda), or a path to a .py copy of the "
+    "+mosaic, +mosaic_out, +tf32x3, +stream (kda), or a path to a .py copy of the "
     "op's kernel module.")
 _SHAPES = flags.DEFINE_list("shapes", ["1x32768", "8x8192"], "BxT shapes.")
 _ITERS = flags.DEFINE_integer("iters", 10, "Timed calls (median).")
@@ -59,7 +60,8 @@ _INTERPRET = flags.DEFINE_bool("interpret", False,
 
 G_MIN = -5.0
 OPS = ("kda", "gla")
-OPTIONS = ("split", "mosaic", "mosaic_out", "tf32x3")
+OPTIONS = ("split", "mosaic", "mosaic_out", "tf32x3", "stream")
+KDA_ONLY = ("tf32x3", "stream")
 
 
 def parse_versions(entries):
@@ -77,9 +79,10 @@ def parse_versions(entries):
           f"--versions: bad entry {entry!r}; expected op:version with op one "
           f"of {', '.join(OPS)} and version main (with options "
           f"{', '.join('+' + o for o in OPTIONS)}) or a path to a .py file")
-    if op == "gla" and "tf32x3" in options:
-      raise app.UsageError(f"--versions: bad entry {entry!r}; +tf32x3 is a "
-                           "kda option (GLA has no triangular inverse)")
+    if op == "gla" and set(options) & set(KDA_ONLY):
+      raise app.UsageError(f"--versions: bad entry {entry!r}; "
+                           f"{', '.join('+' + o for o in KDA_ONLY)} are kda "
+                           "options")
     if name != "main" and not os.path.isfile(name):
       raise app.UsageError(f"--versions: no such file {name!r} in {entry!r}")
     out.append((entry, op, name, frozenset(options)))
@@ -125,7 +128,8 @@ def jitted_fns(op, mod, options, interpret):
     out = "mosaic" if "mosaic_out" in options else "triton"
     if op == "kda":
       kw.update(split_grad_k=split, state_pass=passes, output_kernel=out,
-                inverse_dot="tf32x3" if "tf32x3" in options else "ieee")
+                inverse_dot="tf32x3" if "tf32x3" in options else "ieee",
+                stream_grad_k="stream" in options)
     else:
       kw["tune"] = mod.Tuning(split_grad_k=split, state_pass=passes,
                               output_kernel=out)

@@ -32,10 +32,10 @@ def _run(*args):
     (("experiments.profile_kda", "--configs=bounded:32:fused"), "--configs",
      "path:block_k[:split][:mosaic][:mosaic_out][:tf32x3]"),
     (("experiments.ab_kernels", "--versions=kda:v2"), "--versions",
-     "version main (with options +split, +mosaic, +mosaic_out, +tf32x3) or a "
-     "path to a .py file"),
-    (("experiments.ab_kernels", "--versions=gla:main+tf32x3"), "--versions",
-     "+tf32x3 is a kda option"),
+     "version main (with options +split, +mosaic, +mosaic_out, +tf32x3, "
+     "+stream) or a path to a .py file"),
+    (("experiments.ab_kernels", "--versions=gla:main+stream"), "--versions",
+     "+tf32x3, +stream are kda options"),
     (("experiments.ab_kernels", "--versions=gla:/no/such/gla.py"),
      "--versions", "no such file"),
     (("experiments.profile_gla", "--tune=warps=8"), "--tune",

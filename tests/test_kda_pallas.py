@@ -211,10 +211,11 @@ D_SHAPE = dict(t=130, dk=32, dv=48)
 D_SCALE = 0.3
 
 
-def d_op(g_min, split_grad_k=False):
+def d_op(g_min, split_grad_k=False, stream_grad_k=False):
   op = functools.partial(kda_pallas, scale=D_SCALE, chunk_size=64,
                          g_min=g_min, interpret=True, block_k=16,
-                         split_grad_k=split_grad_k)
+                         split_grad_k=split_grad_k,
+                         stream_grad_k=stream_grad_k)
   return lambda q, k, v, g, beta, s0: op(q, k, v, g, beta, initial_state=s0)
 
 
@@ -257,11 +258,27 @@ def test_split_grad_k_matches_reference(path, config_d):
   assert "kda_chunk_state_side" not in traced[False]
 
 
-def test_split_grad_k_must_be_bool():
+@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("split", [False, True], ids=["fused", "split"])
+def test_stream_grad_k_matches_reference(path, split, config_d):
+  # stream_grad_k: grad_k's row tiles last first, each stored once
+  # complete. Same gradients as the oracle, and as the in-order kernel to
+  # rounding (only the order of the "-b" sums differs).
+  inputs, cts, want = config_d
+  _, got = pallas_grads(d_op(PATHS[path], split, stream_grad_k=True),
+                        inputs, cts)
+  assert_grads_close(got, want, rel=1e-4, elem=1e-4)
+  _, in_order = pallas_grads(d_op(PATHS[path], split), inputs, cts)
+  for name, a, b in zip(GRAD_NAMES, got, in_order):
+    assert rel_err(a, b) < 1e-5, name
+
+
+@pytest.mark.parametrize("knob", ["split_grad_k", "stream_grad_k"])
+def test_grad_k_knobs_must_be_bool(knob):
   q, k, v, g, beta, s0 = make_inputs(0, t=16)
-  with pytest.raises(ValueError, match="split_grad_k must be None, True or"):
+  with pytest.raises(ValueError, match=f"{knob} must be None, True or"):
     kda_pallas(q, k, v, g, beta, scale=None, initial_state=s0, chunk_size=64,
-               g_min=G_MIN, interpret=True, split_grad_k="yes")
+               g_min=G_MIN, interpret=True, **{knob: "yes"})
 
 
 def test_bounded_clamp_has_zero_grad():

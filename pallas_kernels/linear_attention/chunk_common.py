@@ -498,27 +498,41 @@ def _store_key_side_grads(dq, dk, db, d_end, dq_ref, dk_ref, dg_ref, g_ref,
 
   dq, dk, db: 4 x [16, w] fp32 (db = dL/db without the chunk-end term);
   d_end [w] (added at the chunk's last row). dg is the within-chunk reverse
-  cumsum of dL/db, last tile first: inside a tile as one fp32 dot with the
-  upper-triangular ones (row r sums rows r..15, each sum on its own, like
-  XLA's windowed cumsum), plus the sum of the later tiles (row 0 of the
-  previous result, taken as a masked sum: exact). With g_min, dg is zero
-  where g_ref (the caller's g) < g_min: the clamp's gradient, applied after
-  the cumsum, which runs over the clamped g' the op was computed on.
+  cumsum of dL/db, last tile first (`_store_key_side_tile`).
+  """
+  later = None
+  for i in reversed(range(N_TILES)):
+    later = _store_key_side_tile(i, dq[i], dk[i], db[i], d_end, later,
+                                 dq_ref, dk_ref, dg_ref, g_ref, g_min)
+
+
+def _store_key_side_tile(i, dq_i, dk_i, db_i, d_end, later, dq_ref, dk_ref,
+                         dg_ref, g_ref, g_min):
+  """Stores row tile i of dq, dk (in their refs' dtypes) and dg; tiles go
+  last first (i = 3, 2, 1, 0).
+
+  dq_i, dk_i, db_i [16, w] fp32 (db = dL/db without the chunk-end term);
+  d_end [w] (added at the chunk's last row); later [w]: the sum of dL/db
+  over the tiles after i (None for the last tile). Returns it for tile
+  i - 1. dg is the within-chunk reverse cumsum of dL/db: inside a tile one
+  fp32 dot with the upper-triangular ones (row r sums rows r..15, each sum
+  on its own, like XLA's windowed cumsum), plus `later` (row 0 of the
+  previous tile's result, taken as a masked sum: exact). With g_min, dg is
+  zero where g_ref (the caller's g) < g_min: the clamp's gradient, applied
+  after the cumsum, which runs over the clamped g' the op was computed on.
   """
   row, col = _tile_iota()
   upper = jnp.where(col >= row, 1.0, 0.0).astype(_F32)
-  tile_row = jax.lax.broadcasted_iota(jnp.int32, dq[0].shape, 0)
-  later = None
-  for i in reversed(range(N_TILES)):
-    dq_ref[_rows(i), :] = dq[i].astype(dq_ref.dtype)
-    dk_ref[_rows(i), :] = dk[i].astype(dk_ref.dtype)
-    db_i = db[i]
-    if i == N_TILES - 1:
-      db_i = db_i + jnp.where(tile_row == TILE - 1, d_end[None, :], 0.0)
-    dg_i = _dot(upper, db_i)
-    if later is not None:
-      dg_i = dg_i + later[None, :]
-    later = jnp.sum(jnp.where(tile_row == 0, dg_i, 0.0), axis=0)
-    if g_min is not None:
-      dg_i = jnp.where(g_ref[_rows(i), :] < g_min, 0.0, dg_i)
-    dg_ref[_rows(i), :] = dg_i
+  tile_row = jax.lax.broadcasted_iota(jnp.int32, dq_i.shape, 0)
+  dq_ref[_rows(i), :] = dq_i.astype(dq_ref.dtype)
+  dk_ref[_rows(i), :] = dk_i.astype(dk_ref.dtype)
+  if i == N_TILES - 1:
+    db_i = db_i + jnp.where(tile_row == TILE - 1, d_end[None, :], 0.0)
+  dg_i = _dot(upper, db_i)
+  if later is not None:
+    dg_i = dg_i + later[None, :]
+  later = jnp.sum(jnp.where(tile_row == 0, dg_i, 0.0), axis=0)
+  if g_min is not None:
+    dg_i = jnp.where(g_ref[_rows(i), :] < g_min, 0.0, dg_i)
+  dg_ref[_rows(i), :] = dg_i
+  return later

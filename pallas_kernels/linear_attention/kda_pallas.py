@@ -188,7 +188,7 @@ from pallas_kernels.linear_attention.chunk_common import (
     _row_slice_scores, _shape_of, _square_spec, _store_row,
     _tile_iota, check_dims, check_g_min, _tile, _end_terms,
     _state_side_terms, _state_side_inputs, _row_slice_operands,
-    _store_key_side_grads, _chunk_layout, _next_pow2)
+    _store_key_side_grads, _store_key_side_tile, _chunk_layout, _next_pow2)
 from pallas_kernels.linear_attention.reference import chunk_kda_ref
 # K slice width of the bounded path. Narrow slices bound the live [16, bk]
 # fp32 tiles: on an H200 (B1 T32768 H16 D128 bf16, experiments/profile_kda.py)
@@ -230,6 +230,12 @@ NUM_WARPS = dict(intra=4, state=8, output=4, dv_intra=2, dstate=8, grad_v=4,
 # that shape. H200, same process (session 17, ab_kernels): fused 10.88 /
 # split 11.46 ms fwd+bwd at B1 T32768, 19.57 / 21.16 at B8 T8192: False.
 SPLIT_GRAD_K = False
+# grad_k's row tiles in order with every tile's results held to the end
+# (False), or last first with each tile stored as soon as it is complete and
+# q, k, b re-read per use (True; `_grad_k_kernel`). grad_k is 9.0 of 17.7
+# ms at B8 T8192 on an H200 (session 18), latency-bound at 255 registers
+# with spills; the streamed order is for fewer live tiles. Untimed: False.
+STREAM_GRAD_K = False
 BLOCK_K_STATE_SIDE = 64
 # The two sequential passes (state, dstate) as Triton kernels ("triton") or
 # as Mosaic GPU kernels with warpgroup MMAs and TMA prefetch ("mosaic",
@@ -493,7 +499,18 @@ def _grad_v_kernel(m_ref, lk_ref, beta_ref, v_ref, do_ref, vn_ref, dvn_ref,
   da_ref[...] = (scale * jnp.where(row >= col, da, 0.0)).astype(da_ref.dtype)
 
 
-def _grad_k_kernel(*refs, scale, bv, bounded, mm, g_min, split):
+class _TileLoads:
+  """Row tiles of a [C, w] ref, loaded where they are used (t -> [16, w]
+  fp32): the streamed grad_k keeps no list of them live across the kernel."""
+
+  def __init__(self, ref):
+    self._ref = ref
+
+  def __getitem__(self, t):
+    return self._ref[_rows(t), :].astype(_F32)
+
+
+def _grad_k_kernel(*refs, scale, bv, bounded, mm, g_min, split, stream):
   # One K slice of one chunk. refs = (q, k, b, g, beta, dAqk, dLk, *side,
   # dq, dk, dg, dbeta):
   #   q_ref, k_ref, b_ref, g_ref (the caller's g, read only with g_min: the
@@ -506,6 +523,15 @@ def _grad_k_kernel(*refs, scale, bv, bounded, mm, g_min, split):
   #   `_state_side_kernel`);
   #   dq_ref, dk_ref [C, w] in q's and k's dtype (cast here, not by an XLA
   #   pass); dg_ref [C, w] fp32; dbeta_ref [C] fp32 (this slice's part).
+  # stream=False: row tiles in order, q, k, b loaded once up front, every
+  # tile's dq, dk, dL/db held until the end (4 x [16, w] fp32 each: with
+  # the "-b" lists ~10 such lists live, 255 registers and spills at w=32).
+  # stream=True: row tiles last first. Row tile i is the last to add to
+  # the "-b" terms of tile i (they come from rows >= i), so after it tile
+  # i is complete: its dq, dk, dg are stored at once (dg's reverse cumsum
+  # runs last tile first anyway) and q, k, b are re-read per use from the
+  # block (L1) instead of held. Same products; only the order in which the
+  # "-b" terms are summed differs (fp32 rounding).
   (q_ref, k_ref, b_ref, g_ref, beta_ref, da_ref, dlk_ref), side = (
       refs[:7], refs[7:-4])
   dq_ref, dk_ref, dg_ref, dbeta_ref = refs[-4:]
@@ -515,8 +541,11 @@ def _grad_k_kernel(*refs, scale, bv, bounded, mm, g_min, split):
   beta_t = _beta_tiles(beta_ref)
   w = q_ref.shape[-1]
   b, c, b_last = _decay_tiles(b_ref, pl.ds(0, w))
-  q_t = [q_ref[_rows(t), :].astype(_F32) for t in range(N_TILES)]
-  k_t = [k_ref[_rows(t), :].astype(_F32) for t in range(N_TILES)]
+  if stream:
+    q_t, k_t, b = _TileLoads(q_ref), _TileLoads(k_ref), _TileLoads(b_ref)
+  else:
+    q_t = [q_ref[_rows(t), :].astype(_F32) for t in range(N_TILES)]
+    k_t = [k_ref[_rows(t), :].astype(_F32) for t in range(N_TILES)]
 
   # dL/db = q dq + k (dk_+b - dk_-b), formed term by term: a tile pair's
   # contribution to the query side and to the key side is multiplied by the
@@ -526,37 +555,40 @@ def _grad_k_kernel(*refs, scale, bv, bounded, mm, g_min, split):
   # residues: bounded path, bf16, T=130, K=V=32: dg relative error 1.7e-2
   # instead of 4.0e-3).
   dq, dk_pos = [None] * N_TILES, [None] * N_TILES   # "+b" factors
-  db_pos, dbeta = [None] * N_TILES, [None] * N_TILES
+  db_pos = [None] * N_TILES
   # "-b" factors, starting with the chunk-end terms (S_{n+1} through V').
   dk_neg, db_neg, d_end = _end_terms(x_dh, dh_s, k_t, b, b_last)
-  for i in range(N_TILES):
-    eb = jnp.exp(b[i])
+  later = None   # streamed: the reverse cumsum of the tiles stored so far
+  for i in (reversed(range(N_TILES)) if stream else range(N_TILES)):
+    b_i, q_i, k_i = b[i], q_t[i], k_t[i]
+    eb = jnp.exp(b_i)
     dq_i = scale * do_s(i) * eb                               # (q exp(b)) S
     d_rk = -du_s(i)                                           # dR_k rows
-    k_eb = k_t[i] * eb
-    dbeta[i] = jnp.sum(d_rk * k_eb, axis=1)
+    k_eb = k_i * eb
+    dbeta_ref[_rows(i)] = jnp.sum(d_rk * k_eb, axis=1)
     dk_i = beta_t[i] * d_rk * eb
-    db_i = q_t[i] * dq_i + beta_t[i] * d_rk * k_eb
-    x_scale = jnp.exp(b[i] - c[i])                            # <= 1
-    q_dec = (q_t[i] * x_scale).astype(mm)
-    k_dec = (k_t[i] * x_scale).astype(mm)
+    db_i = q_i * dq_i + beta_t[i] * d_rk * k_eb
+    x_scale = jnp.exp(b_i - c[i])                             # <= 1
+    q_dec = (q_i * x_scale).astype(mm)
+    k_dec = (k_i * x_scale).astype(mm)
     acc_q = acc_k = None
     for j in range(i + 1):
       da, dlk = _tile(da_ref, i, j), _tile(dlk_ref, i, j)
       if j == i and not bounded:
-        pd = _pair_decay(b[i], causal)                        # [16, 16, w]
-        pk = pd * k_t[i][None, :, :]
+        pd = _pair_decay(b_i, causal)                         # [16, 16, w]
+        pk = pd * k_i[None, :, :]
         p_q = jnp.sum(da[:, :, None] * pk, axis=1)
         p_k = jnp.sum(dlk[:, :, None] * pk, axis=1)
-        p_n = jnp.sum(pd * (da[:, :, None] * q_t[i][:, None, :]
-                            + dlk[:, :, None] * k_t[i][:, None, :]), axis=0)
+        p_n = jnp.sum(pd * (da[:, :, None] * q_i[:, None, :]
+                            + dlk[:, :, None] * k_i[:, None, :]), axis=0)
         dq_i, dk_i = dq_i + p_q, dk_i + p_k
-        db_i = db_i + q_t[i] * p_q + k_t[i] * p_k
+        db_i = db_i + q_i * p_q + k_i * p_k
         dk_neg[i] = dk_neg[i] + p_n
-        db_neg[i] = db_neg[i] + k_t[i] * p_n
+        db_neg[i] = db_neg[i] + k_i * p_n
         continue
-      y_scale = jnp.exp(c[i] - b[j])            # <= 1 off the diagonal
-      y_dec = (k_t[j] * y_scale).astype(mm)
+      b_j, k_j = (b_i, k_i) if j == i else (b[j], k_t[j])
+      y_scale = jnp.exp(c[i] - b_j)             # <= 1 off the diagonal
+      y_dec = (k_j * y_scale).astype(mm)
       t_q = _dot(da, y_dec, _NN, mm)
       t_k = _dot(dlk, y_dec, _NN, mm)
       acc_q = t_q if acc_q is None else acc_q + t_q
@@ -568,13 +600,18 @@ def _grad_k_kernel(*refs, scale, bv, bounded, mm, g_min, split):
       dq_i = dq_i + acc_q * x_scale
       dk_i = dk_i + acc_k * x_scale
       db_i = db_i + acc_q * q_dec.astype(_F32) + acc_k * k_dec.astype(_F32)
-    dq[i], dk_pos[i], db_pos[i] = dq_i, dk_i, db_i
-  _store_key_side_grads(
-      dq, [p + n for p, n in zip(dk_pos, dk_neg)],
-      [p - n for p, n in zip(db_pos, db_neg)], d_end, dq_ref, dk_ref, dg_ref,
-      g_ref, g_min)
-  for i in range(N_TILES):
-    dbeta_ref[_rows(i)] = dbeta[i]
+    if stream:   # tile i is complete: store it and drop it
+      later = _store_key_side_tile(
+          i, dq_i, dk_i + dk_neg[i], db_i - db_neg[i], d_end, later,
+          dq_ref, dk_ref, dg_ref, g_ref, g_min)
+      dk_neg[i] = db_neg[i] = None
+    else:
+      dq[i], dk_pos[i], db_pos[i] = dq_i, dk_i, db_i
+  if not stream:
+    _store_key_side_grads(
+        dq, [p + n for p, n in zip(dk_pos, dk_neg)],
+        [p - n for p, n in zip(db_pos, db_neg)], d_end, dq_ref, dk_ref,
+        dg_ref, g_ref, g_min)
 
 
 # ---------------------------------------------------------------------------
@@ -788,13 +825,15 @@ def _grad_v_call(m, lk, betap, vp, dop, v_new, dv_new, lay, scale, dtype,
 
 def _grad_k_call(qp, kp_, bp, betap, dop, v_new, du, da, dlk, states,
                  dstates, lay, scale, bounded, interpret, gp=None, g_min=None,
-                 split=False):
+                 split=False, stream=False):
   """Per chunk and K slice: dq, dk [B, Tp, H, Kp] in q's and k's dtype, dg
   [B, Tp, H, Kp] fp32 and the slice's part of dbeta [K slices, B, H, Tp]
   fp32. With g_min, dg is zero where gp (the caller's g, padded) < g_min.
   split: the contractions over V (dO S^T, dU' S^T, V' dH^T, sum_v dH * S)
   run first in a kernel of their own (`_state_side_kernel`, dense dots),
-  and grad_k reads them instead of redoing them per K slice."""
+  and grad_k reads them instead of redoing them per K slice. stream: the
+  row tiles last first, each stored as soon as it is complete (fewer live
+  tiles; `_grad_k_kernel`)."""
   if g_min is None:
     gp = bp   # a placeholder: the kernel reads g only with g_min
   bk, dv, nk = lay["bk"], lay["dv"], lay["kp"] // lay["bk"]
@@ -806,7 +845,8 @@ def _grad_k_call(qp, kp_, bp, betap, dop, v_new, du, da, dlk, states,
   return pl.pallas_call(
       functools.partial(_grad_k_kernel, scale=scale,
                         bv=_block_v(dv, cap=128), bounded=bounded,
-                        mm=lay["mm"], g_min=g_min, split=split),
+                        mm=lay["mm"], g_min=g_min, split=split,
+                        stream=stream),
       grid=(lay["bsz"], lay["h"], lay["n_chunks"], nk),
       in_specs=[k_slice] * 4 + [_beta_spec(), _square_spec(), _square_spec()]
       + side_specs,
@@ -857,10 +897,10 @@ def _kda_fwd_impl(q, k, v, g, beta, s0, *, scale, block_k, bounded,
   return out, intra
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("split",))
+@functools.partial(jax.jit, static_argnames=_STATIC + ("split", "stream"))
 def _kda_bwd_impl(q, k, v, beta, s0, intra, g, do, ds_final, *,
                   scale, block_k, bounded, interpret, g_min, state_pass,
-                  output_kernel, inverse_dot, split):
+                  output_kernel, inverse_dot, split, stream):
   """(dq, dk, dv, dg, dbeta, ds0) given do [B,T,H,V], ds_final [B,H,K,V] and
   the forward's residuals (the intra kernel's outputs, and g [B,T,H,K] when
   g_min clamps it: dg is zero where g < g_min; else g is None)."""
@@ -886,7 +926,8 @@ def _kda_bwd_impl(q, k, v, beta, s0, intra, g, do, ds_final, *,
   gp = None if g_min is None else _pad(g.astype(_F32), tp, kp)
   dq, dk_, dg, dbeta_k = _grad_k_call(qp, kp_, bp, betap, dop, v_new, du, da,
                                       dlk, states, dstates, lay, scale,
-                                      bounded, interpret, gp, g_min, split)
+                                      bounded, interpret, gp, g_min, split,
+                                      stream)
   dbeta = jnp.transpose(dbeta_v + jnp.sum(dbeta_k, axis=0), (0, 2, 1))[:, :t]
   # dq, dk come in q's and k's dtype from grad_k (no XLA convert pass).
   dq, dk_, dg = (x[:, :t, :, :dk] for x in (dq, dk_, dg))
@@ -894,10 +935,11 @@ def _kda_bwd_impl(q, k, v, beta, s0, intra, g, do, ds_final, *,
 
 
 @functools.partial(jax.custom_vjp,
-                   nondiff_argnums=(6, 7, 8, 9, 10, 11, 12, 13, 14))
+                   nondiff_argnums=(6, 7, 8, 9, 10, 11, 12, 13, 14, 15))
 def _kda_pallas_vjp(q, k, v, g, beta, s0, scale, block_k, bounded, interpret,
-                    g_min, state_pass, output_kernel, inverse_dot, split):
-  del split  # the backward's option
+                    g_min, state_pass, output_kernel, inverse_dot, split,
+                    stream):
+  del split, stream  # the backward's options
   return _kda_fwd_impl(q, k, v, g, beta, s0, scale=scale, block_k=block_k,
                        bounded=bounded, interpret=interpret, g_min=g_min,
                        state_pass=state_pass, output_kernel=output_kernel,
@@ -905,8 +947,8 @@ def _kda_pallas_vjp(q, k, v, g, beta, s0, scale, block_k, bounded, interpret,
 
 
 def _vjp_fwd(q, k, v, g, beta, s0, scale, block_k, bounded, interpret, g_min,
-             state_pass, output_kernel, inverse_dot, split):
-  del split  # the backward's option
+             state_pass, output_kernel, inverse_dot, split, stream):
+  del split, stream  # the backward's options
   # The forward keeps what its intra kernel built (b, W, U, Aqk, M, Lk, qg,
   # kg, ec): the backward does not re-run that kernel (H200, B1 T32768 H16
   # D128: 3.6 ms). g itself only when the clamp needs its mask.
@@ -919,14 +961,14 @@ def _vjp_fwd(q, k, v, g, beta, s0, scale, block_k, bounded, interpret, g_min,
 
 
 def _vjp_bwd(scale, block_k, bounded, interpret, g_min, state_pass,
-             output_kernel, inverse_dot, split, res, cts):
+             output_kernel, inverse_dot, split, stream, res, cts):
   q, k, v, beta, s0, intra, g = res
   do, ds_final = cts
   return _kda_bwd_impl(q, k, v, beta, s0, intra, g, do, ds_final,
                        scale=scale, block_k=block_k, bounded=bounded,
                        interpret=interpret, g_min=g_min,
                        state_pass=state_pass, output_kernel=output_kernel,
-                       inverse_dot=inverse_dot, split=split)
+                       inverse_dot=inverse_dot, split=split, stream=stream)
 
 
 _kda_pallas_vjp.defvjp(_vjp_fwd, _vjp_bwd)
@@ -935,7 +977,7 @@ _kda_pallas_vjp.defvjp(_vjp_fwd, _vjp_bwd)
 def kda_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min,
                interpret=False, bounded=None, block_k=None,
                split_grad_k=None, state_pass=None, output_kernel=None,
-               inverse_dot=None):
+               inverse_dot=None, stream_grad_k=None):
   """Chunked KDA, forward and backward as Pallas kernels (jax.custom_vjp).
 
   Args:
@@ -963,6 +1005,9 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min,
     inverse_dot: "ieee" or "tf32x3": the intra kernel's triangular inverse
       on FFMA or on 3xTF32 tensor-core MMAs (default INVERSE_DOT; bf16
       inputs on the GPU only, else IEEE).
+    stream_grad_k: grad_k walks its row tiles last first and stores each
+      as soon as it is complete, re-reading q, k and b per use instead of
+      holding them (default STREAM_GRAD_K; an ablation knob until timed).
   Returns:
     o [B, T, H, V] in v.dtype, final state [B, H, K, V] fp32.
   """
@@ -989,9 +1034,11 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min,
   # T32768 H16 K128, grad_k's extra read of g counted; session 16, untimed).
   clamp = float(g_min) if bounded else None
   split = SPLIT_GRAD_K if split_grad_k is None else split_grad_k
-  if not isinstance(split, bool):
-    raise ValueError(f"split_grad_k must be None, True or False, got "
-                     f"{split_grad_k!r}")
+  stream = STREAM_GRAD_K if stream_grad_k is None else stream_grad_k
+  for name, value, given in (("split_grad_k", split, split_grad_k),
+                             ("stream_grad_k", stream, stream_grad_k)):
+    if not isinstance(value, bool):
+      raise ValueError(f"{name} must be None, True or False, got {given!r}")
   passes = STATE_PASS if state_pass is None else state_pass
   out_kernel = OUTPUT_KERNEL if output_kernel is None else output_kernel
   for name, value, given, allowed in (
@@ -1018,7 +1065,7 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min,
   return _kda_pallas_vjp(q, k, v, g.astype(_F32), beta,
                          initial_state.astype(_F32), scale, int(block_k),
                          bool(bounded), bool(interpret), clamp, passes,
-                         out_kernel, inv, split)
+                         out_kernel, inv, split, stream)
 
 
 def register():

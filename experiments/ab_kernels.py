@@ -50,8 +50,8 @@ from experiments.timing import median_ms
 _VERSIONS = flags.DEFINE_list(
     "versions", ["kda:main", "kda:main+split", "gla:main", "gla:main+split"],
     "op:version entries: op kda|gla; version main with options +split, "
-    "+mosaic, +mosaic_out, +tf32x3, +stream (kda), or a path to a .py copy of the "
-    "op's kernel module.")
+    "+mosaic, +mosaic_out, +tf32x3, +stream (kda), or a path to a .py copy "
+    "of the op's kernel module.")
 _SHAPES = flags.DEFINE_list("shapes", ["1x32768", "8x8192"], "BxT shapes.")
 _ITERS = flags.DEFINE_integer("iters", 10, "Timed calls (median).")
 _OUT = flags.DEFINE_string("out", "/tmp/ab_kernels", "Output folder.")

@@ -541,7 +541,7 @@ def _grad_k_kernel(*refs, scale, bv, bounded, mm, g_min, split, stream):
   beta_t = _beta_tiles(beta_ref)
   w = q_ref.shape[-1]
   b, c, b_last = _decay_tiles(b_ref, pl.ds(0, w))
-  if stream:
+  if stream:   # b's tile list is then used for b_last alone (dead loads)
     q_t, k_t, b = _TileLoads(q_ref), _TileLoads(k_ref), _TileLoads(b_ref)
   else:
     q_t = [q_ref[_rows(t), :].astype(_F32) for t in range(N_TILES)]

@@ -8,7 +8,8 @@ gla_pallas Tuning.split_grad_k; "main+mosaic": the state and dstate passes
 on Mosaic GPU, state_pass="mosaic" / Tuning.state_pass; "main+mosaic_out":
 the output kernel on Mosaic GPU, output_kernel / Tuning.output_kernel;
 "main+tf32x3": KDA's triangular inverse on 3xTF32 MMAs, inverse_dot;
-"main+stream": KDA's grad_k rows last first, stream_grad_k; any
+"main+held" / "main+stream" / "main+pull": KDA's grad_k_order (default:
+the module's GRAD_K_ORDER); any
 combination, e.g. "main+split+mosaic+mosaic_out"), or any file holding an
 older copy of the module,
 e.g. one taken from git before the device call:
@@ -50,8 +51,9 @@ from experiments.timing import median_ms
 _VERSIONS = flags.DEFINE_list(
     "versions", ["kda:main", "kda:main+split", "gla:main", "gla:main+split"],
     "op:version entries: op kda|gla; version main with options +split, "
-    "+mosaic, +mosaic_out, +tf32x3, +stream (kda), or a path to a .py copy "
-    "of the op's kernel module.")
+    "+mosaic, +mosaic_out, +tf32x3, +held, +stream, +pull (kda; one of "
+    "+held, +stream, +pull), or a path to a .py copy of the op's kernel "
+    "module.")
 _SHAPES = flags.DEFINE_list("shapes", ["1x32768", "8x8192"], "BxT shapes.")
 _ITERS = flags.DEFINE_integer("iters", 10, "Timed calls (median).")
 _OUT = flags.DEFINE_string("out", "/tmp/ab_kernels", "Output folder.")
@@ -60,8 +62,9 @@ _INTERPRET = flags.DEFINE_bool("interpret", False,
 
 G_MIN = -5.0
 OPS = ("kda", "gla")
-OPTIONS = ("split", "mosaic", "mosaic_out", "tf32x3", "stream")
-KDA_ONLY = ("tf32x3", "stream")
+ORDERS = ("held", "stream", "pull")   # kda_pallas grad_k_order
+OPTIONS = ("split", "mosaic", "mosaic_out", "tf32x3") + ORDERS
+KDA_ONLY = ("tf32x3",) + ORDERS
 
 
 def parse_versions(entries):
@@ -83,6 +86,10 @@ def parse_versions(entries):
       raise app.UsageError(f"--versions: bad entry {entry!r}; "
                            f"{', '.join('+' + o for o in KDA_ONLY)} are kda "
                            "options")
+    if len(set(options) & set(ORDERS)) > 1:
+      raise app.UsageError(f"--versions: bad entry {entry!r}; "
+                           f"{', '.join('+' + o for o in ORDERS)} are grad_k "
+                           "orders: give one")
     if name != "main" and not os.path.isfile(name):
       raise app.UsageError(f"--versions: no such file {name!r} in {entry!r}")
     out.append((entry, op, name, frozenset(options)))
@@ -129,7 +136,8 @@ def jitted_fns(op, mod, options, interpret):
     if op == "kda":
       kw.update(split_grad_k=split, state_pass=passes, output_kernel=out,
                 inverse_dot="tf32x3" if "tf32x3" in options else "ieee",
-                stream_grad_k="stream" in options)
+                grad_k_order=next((o for o in ORDERS if o in options),
+                                  None))
     else:
       kw["tune"] = mod.Tuning(split_grad_k=split, state_pass=passes,
                               output_kernel=out)

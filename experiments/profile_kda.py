@@ -92,6 +92,8 @@ def profile(x, bounded, block_k, iters, interpret=False, split=False,
   dsfp = jnp.zeros_like(s0p)
   c = {}
   g_min = -5.0 if bounded else None   # the op's clamp, as kda_pallas runs it
+  # grad_k's K slice as kda_pallas picks it (BLOCK_K_GRAD_K when bounded)
+  grad_bk = kp.BLOCK_K_GRAD_K if bounded and kp.BLOCK_K_GRAD_K else block_k
   inverse_dot = "tf32x3" if tf32x3 else "ieee"
   f = jax.jit(functools.partial(kp._intra_call, lay=lay, bounded=bounded,  # pylint: disable=protected-access
                                 interpret=interpret, for_backward=True,
@@ -127,7 +129,9 @@ def profile(x, bounded, block_k, iters, interpret=False, split=False,
   _, du, da, dlk, _ = f(m, lk, betap, vp, dop, v_new, dv_new)
   f = jax.jit(functools.partial(kp._grad_k_call, lay=lay, scale=scale,  # pylint: disable=protected-access
                                 bounded=bounded, interpret=interpret,
-                                g_min=g_min, split=split))
+                                g_min=g_min, split=split,
+                                order=kp.GRAD_K_ORDER,
+                                block_k=grad_bk))
   name = "b4 grad_k (dq, dk, dg)" + (" + state_side" if split else "")
   c[name] = median_ms(lambda: f(qp, kp_, bp, betap, dop, v_new, du, da, dlk,
                                 states, dstates, gp=gp), iters)

@@ -211,11 +211,12 @@ D_SHAPE = dict(t=130, dk=32, dv=48)
 D_SCALE = 0.3
 
 
-def d_op(g_min, split_grad_k=False, stream_grad_k=False):
+def d_op(g_min, split_grad_k=False, grad_k_order="held"):
+  # block_k=16 everywhere (grad_k too): several K slices at K=32.
   op = functools.partial(kda_pallas, scale=D_SCALE, chunk_size=64,
                          g_min=g_min, interpret=True, block_k=16,
-                         split_grad_k=split_grad_k,
-                         stream_grad_k=stream_grad_k)
+                         grad_k_block_k=16, split_grad_k=split_grad_k,
+                         grad_k_order=grad_k_order)
   return lambda q, k, v, g, beta, s0: op(q, k, v, g, beta, initial_state=s0)
 
 
@@ -259,13 +260,15 @@ def test_split_grad_k_matches_reference(path, config_d):
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("order", ["stream", "pull"])
 @pytest.mark.parametrize("split", [False, True], ids=["fused", "split"])
-def test_stream_grad_k_matches_reference(path, split, config_d):
-  # stream_grad_k: grad_k's row tiles last first, each stored once
-  # complete. Same gradients as the oracle, and as the in-order kernel to
-  # rounding (only the order of the "-b" sums differs).
+def test_grad_k_orders_match_reference(path, order, split, config_d):
+  # grad_k_order "stream" (row tiles last first, each stored once complete)
+  # and "pull" (each row tile forms all of its gradients in loops): same
+  # gradients as the oracle, and as the in-order kernel to rounding (only
+  # the order of the sums differs).
   inputs, cts, want = config_d
-  _, got = pallas_grads(d_op(PATHS[path], split, stream_grad_k=True),
+  _, got = pallas_grads(d_op(PATHS[path], split, grad_k_order=order),
                         inputs, cts)
   assert_grads_close(got, want, rel=1e-4, elem=1e-4)
   _, in_order = pallas_grads(d_op(PATHS[path], split), inputs, cts)
@@ -273,10 +276,13 @@ def test_stream_grad_k_matches_reference(path, split, config_d):
     assert rel_err(a, b) < 1e-5, name
 
 
-@pytest.mark.parametrize("knob", ["split_grad_k", "stream_grad_k"])
-def test_grad_k_knobs_must_be_bool(knob):
+@pytest.mark.parametrize("knob,message", [
+    ("split_grad_k", "split_grad_k must be None, True or False"),
+    ("grad_k_order", r"grad_k_order must be one of \('held', 'stream', "
+     r"'pull'\)")])
+def test_grad_k_knobs_are_checked(knob, message):
   q, k, v, g, beta, s0 = make_inputs(0, t=16)
-  with pytest.raises(ValueError, match=f"{knob} must be None, True or"):
+  with pytest.raises(ValueError, match=message):
     kda_pallas(q, k, v, g, beta, scale=None, initial_state=s0, chunk_size=64,
                g_min=G_MIN, interpret=True, **{knob: "yes"})
 
@@ -422,12 +428,13 @@ def test_chunk_size_not_64(via_ops):
     _call(via_ops, chunk_size=32)
 
 
+@pytest.mark.parametrize("name", ["block_k", "grad_k_block_k"])
 @pytest.mark.parametrize("block_k", [8, 48])
-def test_bad_block_k(block_k):
-  with pytest.raises(ValueError, match="block_k must be a power of two"):
+def test_bad_block_k(name, block_k):
+  with pytest.raises(ValueError, match=f"^{name} must be a power of two"):
     kda_pallas(*(_GOOD[n] for n in ("q", "k", "v", "g", "beta")), scale=None,
                initial_state=None, chunk_size=64, g_min=G_MIN, interpret=True,
-               block_k=block_k)
+               **{name: block_k})
 
 
 def test_float16_refused():

@@ -141,10 +141,14 @@ Kernels:
      matmul dtype, dAqk and dLk too on the bounded path (fp32 unbounded):
      grad_k reads them once per K slice and only as dot operands (the
      dtype the dots cast them to), so the bits do not change.
-  7. `_grad_k_kernel`, grid (B, H, N, K/bk), parallel: one K slice of dq, dk,
-     dL/db [C, bk] and that slice's dbeta term, from the stored dAqk, dLk,
-     dU', V', S and dH (contractions over V done inside). Each slice is
-     computed once: no partial sums over V blocks.
+  7. `_grad_k_pull_kernel` (default; `_grad_k_kernel` for the "held" and
+     "stream" orders, GRAD_K_ORDER), grid (B, H, N, K/bk) with bk =
+     BLOCK_K_GRAD_K = 64 on the bounded path, parallel: one K slice of dq,
+     dk, dL/db [C, bk] and that slice's dbeta term, from the stored dAqk,
+     dLk, dU', V', S and dH (contractions over V done inside). Each slice is
+     computed once: no partial sums over V blocks. The row tiles run last
+     first in a fori_loop, each pulling its own "+b" (key tiles j <= i) and
+     "-b" (query tiles m >= i) terms in inner loops and storing at once.
      It also adds the chunk-end term of dL/db, sum_v dH * S_{n+1}, at the
      chunk's last row, from S_n, dH and its own "-b" end terms (no S_{n+1}
      read; before session 15 an XLA pass over the stored states and dH, ~1 GB
@@ -230,13 +234,36 @@ NUM_WARPS = dict(intra=4, state=8, output=4, dv_intra=2, dstate=8, grad_v=4,
 # that shape. H200, same process (session 17, ab_kernels): fused 10.88 /
 # split 11.46 ms fwd+bwd at B1 T32768, 19.57 / 21.16 at B8 T8192: False.
 SPLIT_GRAD_K = False
-# grad_k's row tiles in order with every tile's results held to the end
-# (False), or last first with each tile stored as soon as it is complete and
-# q, k, b re-read per use (True; `_grad_k_kernel`). grad_k is 9.0 of 17.7
-# ms at B8 T8192 on an H200 (session 18), latency-bound at 255 registers
-# with spills; the streamed order is for fewer live tiles. Untimed: False.
-STREAM_GRAD_K = False
+# The order of grad_k's work on its 4 row tiles: "held" (in order, every
+# tile's results held to the end; `_grad_k_kernel`), "stream" (last first,
+# each tile stored as soon as it is complete, q, k, b re-read per use) or
+# "pull" (last first in a fori_loop, each tile forming all of its own
+# gradients in inner loops: nothing held across tiles;
+# `_grad_k_pull_kernel`). grad_k was 9.0 of 17.7 ms at B8 T8192 on an H200
+# (session 18), latency-bound at 255 registers with spills. H100, same
+# process (session 19, ab_kernels, fwd+bwd ms at B8 T8192 / B1 T32768):
+# held 21.19 / 10.64, stream 22.43 / 11.22, pull 22.52 / 11.09 at w=32;
+# pull with w=64 (BLOCK_K_GRAD_K) 19.31 / 9.76, held with w=64 25.14 /
+# 12.62. Resource report (sm_90, K=V=128): bounded held 255 registers, 56 B
+# stack; pull w=64 255, 80 B; unbounded held 2112 B of stack (975 LDL),
+# pull 384 B (96 LDL). "pull" on both paths.
+GRAD_K_ORDER = "pull"
+GRAD_K_ORDERS = ("held", "stream", "pull")
 BLOCK_K_STATE_SIDE = 64
+# grad_k's own K slice width on the bounded path (None: the layout's
+# BLOCK_K; the unbounded path keeps that, its [16, 16, w] pair tensors grow
+# with w). Wider slices mean fewer programs re-reading each chunk's [C, C]
+# and [C, V] blocks and longer state-side dots. H100 (session 19), pull
+# order, fwd+bwd ms at B8 T8192 / B1 T32768: w=16 32.40 / 15.99, 32 22.52 /
+# 11.09, 64 19.18 / 9.83, 128 20.44 / 10.45 (8 warps: w=64 23.87 / 12.36,
+# 128 20.10 / 10.32).
+BLOCK_K_GRAD_K = 64
+# Variants of the pull kernel, for ab_kernels (untimed, off): the chunk-end
+# total from one [C, V] x [V, w] dot instead of four [16, V] ones
+# (PULL_END_DOT), the "+b" terms of a row tile as one [16, C] x [C, w] dot
+# over the masked key rows instead of one per key tile (PULL_PLUS_DENSE).
+PULL_END_DOT = False
+PULL_PLUS_DENSE = False
 # The two sequential passes (state, dstate) as Triton kernels ("triton") or
 # as Mosaic GPU kernels with warpgroup MMAs and TMA prefetch ("mosaic",
 # state_mosaic.py: bf16 and K >= 64 only); "auto": Mosaic on a GPU where it
@@ -614,6 +641,138 @@ def _grad_k_kernel(*refs, scale, bv, bounded, mm, g_min, split, stream):
         dg_ref, g_ref, g_min)
 
 
+def _grad_k_pull_kernel(*refs, scale, bv, bounded, mm, g_min, split):
+  # grad_k with every row tile PULLING its own gradients (same refs and
+  # outputs as `_grad_k_kernel`). The row tiles run last first in a
+  # fori_loop, and each tile i forms its "+b" terms from the key tiles
+  # j <= i and its "-b" terms from the query tiles m >= i, in inner
+  # fori_loops, then stores dq, dk, dg at once: nothing is held across tiles
+  # but the reverse cumsum's running row, so the live set is one tile's
+  # (the in-order kernel holds ~10 lists of 4 [16, w] tiles: 255 registers
+  # and spills at w=32). Each tile-pair product is the same as there, with
+  # the same rounded operands on both sides (the dg cancellation, see
+  # `_grad_k_kernel`); the loops make the compiler keep one iteration's
+  # values, not all. The chunk-end total d_end is needed before the last
+  # tile is stored, so the chunk-end terms run once first for their column
+  # sums and again per tile (same code; the two can differ only by fp32
+  # rounding, not by the bf16 rounding of dot operands).
+  (q_ref, k_ref, b_ref, g_ref, beta_ref, da_ref, dlk_ref), side = (
+      refs[:7], refs[7:-4])
+  dq_ref, dk_ref, dg_ref, dbeta_ref = refs[-4:]
+  do_s, du_s, x_dh, dh_s = _state_side_terms(side, split, bv, mm, delta=True)
+  w = q_ref.shape[-1]
+  last = jax.lax.broadcasted_iota(jnp.int32, (TILE, w), 0) == TILE - 1
+  b_last = jnp.sum(jnp.where(last, b_ref[_rows(N_TILES - 1), :], 0.0),
+                   axis=0)
+  tile_row = jax.lax.broadcasted_iota(jnp.int32, (TILE, w), 0)
+  row, col = _tile_iota()
+  causal = row >= col
+  upper = jnp.where(col >= row, 1.0, 0.0).astype(_F32)
+
+  def load(ref, t):
+    return ref[_rows(t), :].astype(_F32)
+
+  def anchor(t):   # b at the first row of tile t [1, w]
+    return b_ref[pl.ds(t * TILE, 1), :].astype(_F32)
+
+  def end_term(t):   # (V' dH^T) exp(b_C - b) on row tile t [16, w]
+    return x_dh(t) * jnp.exp(b_last[None, :] - load(b_ref, t))
+
+  def end_sum(t, acc):
+    return acc + jnp.sum(load(k_ref, t) * end_term(t), axis=0)
+
+  if PULL_END_DOT and not split:   # one [C, V] x [V, w] dot
+    x_ref, dh_ref = side[2], side[4]
+    x_dh_all = None
+    for cv in range(0, x_ref.shape[-1], bv):
+      part = _dot(x_ref[:, pl.ds(cv, bv)], dh_ref[:, pl.ds(cv, bv)], _NT, mm)
+      x_dh_all = part if x_dh_all is None else x_dh_all + part
+    d_end = jnp.sum(k_ref[...].astype(_F32) * x_dh_all * jnp.exp(
+        b_last[None, :] - b_ref[...].astype(_F32)), axis=0)
+  else:
+    d_end = jax.lax.fori_loop(0, N_TILES, end_sum, jnp.zeros((w,), _F32))
+  d_end = d_end + jnp.exp(b_last) * dh_s
+
+  def decayed(t):   # q, k of tile t times exp(b - anchor), matmul dtype
+    x_scale = jnp.exp(load(b_ref, t) - anchor(t))
+    return ((load(q_ref, t) * x_scale).astype(mm),
+            (load(k_ref, t) * x_scale).astype(mm), x_scale)
+
+  def row_tile(it, later):
+    i = N_TILES - 1 - it
+    b_i, q_i, k_i = load(b_ref, i), load(q_ref, i), load(k_ref, i)
+    beta_i = jax.lax.broadcast_in_dim(
+        beta_ref[_rows(i)].astype(_F32), (TILE, 1), (0,))
+    c_i = anchor(i)
+    eb = jnp.exp(b_i)
+    dq_i = scale * do_s(i) * eb                               # (q exp(b)) S
+    d_rk = -du_s(i)                                           # dR_k rows
+    k_eb = k_i * eb
+    dbeta_ref[_rows(i)] = jnp.sum(d_rk * k_eb, axis=1)
+    dk_i = beta_i * d_rk * eb
+    db_i = q_i * dq_i + beta_i * d_rk * k_eb
+    t_end = end_term(i)
+    dk_neg, db_neg = t_end, k_i * t_end
+    q_dec, k_dec, x_scale = decayed(i)
+    n_dense = i + 1 if bounded else i   # unbounded: diagonal pair by pair
+
+    def plus_b(j, acc):   # key tile j <= i: dA_ij (k_j exp(c_i - b_j))
+      acc_q, acc_k = acc
+      y_dec = (load(k_ref, j) * jnp.exp(c_i - load(b_ref, j))).astype(mm)
+      return (acc_q + _dot(_tile(da_ref, i, j), y_dec, _NN, mm),
+              acc_k + _dot(_tile(dlk_ref, i, j), y_dec, _NN, mm))
+
+    zeros = jnp.zeros((TILE, w), _F32)
+    if PULL_PLUS_DENSE and bounded:   # all key tiles j <= i in one dot
+      rows_all = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, w), 0)
+      y_all = jnp.where(rows_all < (i + 1) * TILE, k_ref[...].astype(_F32)
+                        * jnp.exp(c_i - b_ref[...].astype(_F32)), 0.0)
+      y_all = y_all.astype(mm)
+      acc_q = _dot(da_ref[_rows(i), :], y_all, _NN, mm)
+      acc_k = _dot(dlk_ref[_rows(i), :], y_all, _NN, mm)
+    else:
+      acc_q, acc_k = jax.lax.fori_loop(0, n_dense, plus_b, (zeros, zeros))
+    dq_i = dq_i + acc_q * x_scale
+    dk_i = dk_i + acc_k * x_scale
+    db_i = db_i + acc_q * q_dec.astype(_F32) + acc_k * k_dec.astype(_F32)
+
+    def minus_b(m, acc):   # query tile m >= i: the pair (m, i)'s key side
+      dk_n, db_n = acc
+      q_dec_m, k_dec_m, _ = decayed(m)
+      t_n = (_dot(_tile(da_ref, m, i), q_dec_m, _TN, mm)
+             + _dot(_tile(dlk_ref, m, i), k_dec_m, _TN, mm))
+      y_scale = jnp.exp(anchor(m) - b_i)        # <= 1 off the diagonal
+      y_dec = (k_i * y_scale).astype(mm)
+      return dk_n + t_n * y_scale, db_n + t_n * y_dec.astype(_F32)
+
+    dk_neg, db_neg = jax.lax.fori_loop(i if bounded else i + 1, N_TILES,
+                                       minus_b, (dk_neg, db_neg))
+    if not bounded:   # the diagonal pair, position by position
+      da, dlk = _tile(da_ref, i, i), _tile(dlk_ref, i, i)
+      pd = _pair_decay(b_i, causal)                           # [16, 16, w]
+      pk = pd * k_i[None, :, :]
+      p_q = jnp.sum(da[:, :, None] * pk, axis=1)
+      p_k = jnp.sum(dlk[:, :, None] * pk, axis=1)
+      p_n = jnp.sum(pd * (da[:, :, None] * q_i[:, None, :]
+                          + dlk[:, :, None] * k_i[:, None, :]), axis=0)
+      dq_i, dk_i = dq_i + p_q, dk_i + p_k
+      db_i = db_i + q_i * p_q + k_i * p_k
+      dk_neg, db_neg = dk_neg + p_n, db_neg + k_i * p_n
+    dq_ref[_rows(i), :] = dq_i.astype(dq_ref.dtype)
+    dk_ref[_rows(i), :] = (dk_i + dk_neg).astype(dk_ref.dtype)
+    # dg: the within-chunk reverse cumsum of dL/db plus d_end (which enters
+    # at the chunk's last row, so every row's sum holds it: `later` starts
+    # at d_end); clamp mask as in `_store_key_side_tile`.
+    dg_i = _dot(upper, db_i - db_neg) + later[None, :]
+    later = jnp.sum(jnp.where(tile_row == 0, dg_i, 0.0), axis=0)
+    if g_min is not None:
+      dg_i = jnp.where(g_ref[_rows(i), :] < g_min, 0.0, dg_i)
+    dg_ref[_rows(i), :] = dg_i
+    return later
+
+  jax.lax.fori_loop(0, N_TILES, row_tile, d_end)
+
+
 # ---------------------------------------------------------------------------
 # Wrappers.
 # ---------------------------------------------------------------------------
@@ -825,28 +984,30 @@ def _grad_v_call(m, lk, betap, vp, dop, v_new, dv_new, lay, scale, dtype,
 
 def _grad_k_call(qp, kp_, bp, betap, dop, v_new, du, da, dlk, states,
                  dstates, lay, scale, bounded, interpret, gp=None, g_min=None,
-                 split=False, stream=False):
+                 split=False, order="held", block_k=None):
   """Per chunk and K slice: dq, dk [B, Tp, H, Kp] in q's and k's dtype, dg
   [B, Tp, H, Kp] fp32 and the slice's part of dbeta [K slices, B, H, Tp]
   fp32. With g_min, dg is zero where gp (the caller's g, padded) < g_min.
   split: the contractions over V (dO S^T, dU' S^T, V' dH^T, sum_v dH * S)
   run first in a kernel of their own (`_state_side_kernel`, dense dots),
-  and grad_k reads them instead of redoing them per K slice. stream: the
-  row tiles last first, each stored as soon as it is complete (fewer live
-  tiles; `_grad_k_kernel`)."""
+  and grad_k reads them instead of redoing them per K slice. order: see
+  GRAD_K_ORDER. block_k: grad_k's K slice width (None: lay["bk"])."""
   if g_min is None:
     gp = bp   # a placeholder: the kernel reads g only with g_min
+  if block_k is not None:
+    lay = dict(lay, bk=min(lay["kp"], block_k))
   bk, dv, nk = lay["bk"], lay["dv"], lay["kp"] // lay["bk"]
+  kernel = (_grad_k_pull_kernel if order == "pull" else functools.partial(
+      _grad_k_kernel, stream=order == "stream"))
   k_slice = _chunk_spec(bk, True)
   side, side_specs = _state_side_inputs(
       [dop, du, v_new], (False, False, True), states, dstates, lay, split,
       BLOCK_K_STATE_SIDE, NUM_WARPS["state_side"], interpret,
       "kda_chunk_state_side")
   return pl.pallas_call(
-      functools.partial(_grad_k_kernel, scale=scale,
-                        bv=_block_v(dv, cap=128), bounded=bounded,
-                        mm=lay["mm"], g_min=g_min, split=split,
-                        stream=stream),
+      functools.partial(kernel, scale=scale, bv=_block_v(dv, cap=128),
+                        bounded=bounded, mm=lay["mm"], g_min=g_min,
+                        split=split),
       grid=(lay["bsz"], lay["h"], lay["n_chunks"], nk),
       in_specs=[k_slice] * 4 + [_beta_spec(), _square_spec(), _square_spec()]
       + side_specs,
@@ -897,10 +1058,11 @@ def _kda_fwd_impl(q, k, v, g, beta, s0, *, scale, block_k, bounded,
   return out, intra
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("split", "stream"))
+@functools.partial(jax.jit,
+                   static_argnames=_STATIC + ("split", "order", "grad_bk"))
 def _kda_bwd_impl(q, k, v, beta, s0, intra, g, do, ds_final, *,
                   scale, block_k, bounded, interpret, g_min, state_pass,
-                  output_kernel, inverse_dot, split, stream):
+                  output_kernel, inverse_dot, split, order, grad_bk):
   """(dq, dk, dv, dg, dbeta, ds0) given do [B,T,H,V], ds_final [B,H,K,V] and
   the forward's residuals (the intra kernel's outputs, and g [B,T,H,K] when
   g_min clamps it: dg is zero where g < g_min; else g is None)."""
@@ -927,7 +1089,7 @@ def _kda_bwd_impl(q, k, v, beta, s0, intra, g, do, ds_final, *,
   dq, dk_, dg, dbeta_k = _grad_k_call(qp, kp_, bp, betap, dop, v_new, du, da,
                                       dlk, states, dstates, lay, scale,
                                       bounded, interpret, gp, g_min, split,
-                                      stream)
+                                      order, grad_bk)
   dbeta = jnp.transpose(dbeta_v + jnp.sum(dbeta_k, axis=0), (0, 2, 1))[:, :t]
   # dq, dk come in q's and k's dtype from grad_k (no XLA convert pass).
   dq, dk_, dg = (x[:, :t, :, :dk] for x in (dq, dk_, dg))
@@ -935,11 +1097,11 @@ def _kda_bwd_impl(q, k, v, beta, s0, intra, g, do, ds_final, *,
 
 
 @functools.partial(jax.custom_vjp,
-                   nondiff_argnums=(6, 7, 8, 9, 10, 11, 12, 13, 14, 15))
+                   nondiff_argnums=tuple(range(6, 17)))
 def _kda_pallas_vjp(q, k, v, g, beta, s0, scale, block_k, bounded, interpret,
                     g_min, state_pass, output_kernel, inverse_dot, split,
-                    stream):
-  del split, stream  # the backward's options
+                    order, grad_bk):
+  del split, order, grad_bk  # the backward's options
   return _kda_fwd_impl(q, k, v, g, beta, s0, scale=scale, block_k=block_k,
                        bounded=bounded, interpret=interpret, g_min=g_min,
                        state_pass=state_pass, output_kernel=output_kernel,
@@ -947,8 +1109,8 @@ def _kda_pallas_vjp(q, k, v, g, beta, s0, scale, block_k, bounded, interpret,
 
 
 def _vjp_fwd(q, k, v, g, beta, s0, scale, block_k, bounded, interpret, g_min,
-             state_pass, output_kernel, inverse_dot, split, stream):
-  del split, stream  # the backward's options
+             state_pass, output_kernel, inverse_dot, split, order, grad_bk):
+  del split, order, grad_bk  # the backward's options
   # The forward keeps what its intra kernel built (b, W, U, Aqk, M, Lk, qg,
   # kg, ec): the backward does not re-run that kernel (H200, B1 T32768 H16
   # D128: 3.6 ms). g itself only when the clamp needs its mask.
@@ -961,14 +1123,15 @@ def _vjp_fwd(q, k, v, g, beta, s0, scale, block_k, bounded, interpret, g_min,
 
 
 def _vjp_bwd(scale, block_k, bounded, interpret, g_min, state_pass,
-             output_kernel, inverse_dot, split, stream, res, cts):
+             output_kernel, inverse_dot, split, order, grad_bk, res, cts):
   q, k, v, beta, s0, intra, g = res
   do, ds_final = cts
   return _kda_bwd_impl(q, k, v, beta, s0, intra, g, do, ds_final,
                        scale=scale, block_k=block_k, bounded=bounded,
                        interpret=interpret, g_min=g_min,
                        state_pass=state_pass, output_kernel=output_kernel,
-                       inverse_dot=inverse_dot, split=split, stream=stream)
+                       inverse_dot=inverse_dot, split=split, order=order,
+                       grad_bk=grad_bk)
 
 
 _kda_pallas_vjp.defvjp(_vjp_fwd, _vjp_bwd)
@@ -977,7 +1140,7 @@ _kda_pallas_vjp.defvjp(_vjp_fwd, _vjp_bwd)
 def kda_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min,
                interpret=False, bounded=None, block_k=None,
                split_grad_k=None, state_pass=None, output_kernel=None,
-               inverse_dot=None, stream_grad_k=None):
+               inverse_dot=None, grad_k_order=None, grad_k_block_k=None):
   """Chunked KDA, forward and backward as Pallas kernels (jax.custom_vjp).
 
   Args:
@@ -991,8 +1154,10 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min,
       bounded path g below g_min is clamped to g_min (zero gradient there).
     interpret: run the kernels in Pallas interpret mode (CPU).
     bounded: force the path (default: bounded iff g_min is given).
-    block_k: K slice width inside the chunk kernels (a power of two >= 16;
-      default 32 on both paths).
+    block_k: K slice width inside the chunk kernels but grad_k (a power of
+      two >= 16; default 32 on both paths).
+    grad_k_block_k: grad_k's K slice width (a power of two >= 16; default
+      BLOCK_K_GRAD_K = 64 on the bounded path, block_k on the unbounded).
     split_grad_k: run the backward's contractions over V in a kernel of
       their own before grad_k (default SPLIT_GRAD_K; an ablation knob until
       timed on a card, results/kernels.md session 16).
@@ -1005,9 +1170,8 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min,
     inverse_dot: "ieee" or "tf32x3": the intra kernel's triangular inverse
       on FFMA or on 3xTF32 tensor-core MMAs (default INVERSE_DOT; bf16
       inputs on the GPU only, else IEEE).
-    stream_grad_k: grad_k walks its row tiles last first and stores each
-      as soon as it is complete, re-reading q, k and b per use instead of
-      holding them (default STREAM_GRAD_K; an ablation knob until timed).
+    grad_k_order: "held", "stream" or "pull": the order of grad_k's work on
+      its row tiles (default GRAD_K_ORDER; see there).
   Returns:
     o [B, T, H, V] in v.dtype, final state [B, H, K, V] fp32.
   """
@@ -1020,10 +1184,14 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min,
   check_dims(q, v, chunk_size, what="KDA")  # chunk 64, K/V, dtypes
   if block_k is None:
     block_k = BLOCK_K if bounded else BLOCK_K_UNBOUNDED
-  if (isinstance(block_k, bool) or not isinstance(block_k, int)
-      or block_k < TILE or block_k & (block_k - 1)):
-    raise ValueError(f"block_k must be a power of two >= {TILE}, got "
-                     f"{block_k!r}")
+  grad_bk = grad_k_block_k
+  if grad_bk is None:
+    grad_bk = BLOCK_K_GRAD_K if bounded and BLOCK_K_GRAD_K else block_k
+  for name, value in (("block_k", block_k), ("grad_k_block_k", grad_bk)):
+    if (isinstance(value, bool) or not isinstance(value, int)
+        or value < TILE or value & (value - 1)):
+      raise ValueError(f"{name} must be a power of two >= {TILE}, got "
+                       f"{value!r}")
   scale = float(dk) ** -0.5 if scale is None else float(scale)
   if initial_state is None:
     initial_state = jnp.zeros((bsz, h, dk, dv), _F32)
@@ -1034,11 +1202,13 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min,
   # T32768 H16 K128, grad_k's extra read of g counted; session 16, untimed).
   clamp = float(g_min) if bounded else None
   split = SPLIT_GRAD_K if split_grad_k is None else split_grad_k
-  stream = STREAM_GRAD_K if stream_grad_k is None else stream_grad_k
-  for name, value, given in (("split_grad_k", split, split_grad_k),
-                             ("stream_grad_k", stream, stream_grad_k)):
-    if not isinstance(value, bool):
-      raise ValueError(f"{name} must be None, True or False, got {given!r}")
+  if not isinstance(split, bool):
+    raise ValueError(f"split_grad_k must be None, True or False, got "
+                     f"{split_grad_k!r}")
+  order = GRAD_K_ORDER if grad_k_order is None else grad_k_order
+  if order not in GRAD_K_ORDERS:
+    raise ValueError(f"grad_k_order must be one of {GRAD_K_ORDERS} or None, "
+                     f"got {grad_k_order!r}")
   passes = STATE_PASS if state_pass is None else state_pass
   out_kernel = OUTPUT_KERNEL if output_kernel is None else output_kernel
   for name, value, given, allowed in (
@@ -1065,7 +1235,7 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min,
   return _kda_pallas_vjp(q, k, v, g.astype(_F32), beta,
                          initial_state.astype(_F32), scale, int(block_k),
                          bool(bounded), bool(interpret), clamp, passes,
-                         out_kernel, inv, split, stream)
+                         out_kernel, inv, split, order, grad_bk)
 
 
 def register():

@@ -258,12 +258,11 @@ BLOCK_K_STATE_SIDE = 64
 # 11.09, 64 19.18 / 9.83, 128 20.44 / 10.45 (8 warps: w=64 23.87 / 12.36,
 # 128 20.10 / 10.32).
 BLOCK_K_GRAD_K = 64
-# Variants of the pull kernel, for ab_kernels (untimed, off): the chunk-end
-# total from one [C, V] x [V, w] dot instead of four [16, V] ones
-# (PULL_END_DOT), the "+b" terms of a row tile as one [16, C] x [C, w] dot
-# over the masked key rows instead of one per key tile (PULL_PLUS_DENSE).
-PULL_END_DOT = False
-PULL_PLUS_DENSE = False
+# Two variants of the pull kernel measured within noise of it (H100,
+# session 19; in 6d31444 as PULL_END_DOT / PULL_PLUS_DENSE): the chunk-end
+# total from one [C, V] x [V, w] dot, and a row tile's "+b" terms as one
+# [16, C] x [C, w] dot over masked key rows. grad_k at num_stages 1 was
+# slower (+8%), at 3 within noise.
 # The two sequential passes (state, dstate) as Triton kernels ("triton") or
 # as Mosaic GPU kernels with warpgroup MMAs and TMA prefetch ("mosaic",
 # state_mosaic.py: bf16 and K >= 64 only); "auto": Mosaic on a GPU where it
@@ -681,16 +680,7 @@ def _grad_k_pull_kernel(*refs, scale, bv, bounded, mm, g_min, split):
   def end_sum(t, acc):
     return acc + jnp.sum(load(k_ref, t) * end_term(t), axis=0)
 
-  if PULL_END_DOT and not split:   # one [C, V] x [V, w] dot
-    x_ref, dh_ref = side[2], side[4]
-    x_dh_all = None
-    for cv in range(0, x_ref.shape[-1], bv):
-      part = _dot(x_ref[:, pl.ds(cv, bv)], dh_ref[:, pl.ds(cv, bv)], _NT, mm)
-      x_dh_all = part if x_dh_all is None else x_dh_all + part
-    d_end = jnp.sum(k_ref[...].astype(_F32) * x_dh_all * jnp.exp(
-        b_last[None, :] - b_ref[...].astype(_F32)), axis=0)
-  else:
-    d_end = jax.lax.fori_loop(0, N_TILES, end_sum, jnp.zeros((w,), _F32))
+  d_end = jax.lax.fori_loop(0, N_TILES, end_sum, jnp.zeros((w,), _F32))
   d_end = d_end + jnp.exp(b_last) * dh_s
 
   def decayed(t):   # q, k of tile t times exp(b - anchor), matmul dtype
@@ -723,15 +713,7 @@ def _grad_k_pull_kernel(*refs, scale, bv, bounded, mm, g_min, split):
               acc_k + _dot(_tile(dlk_ref, i, j), y_dec, _NN, mm))
 
     zeros = jnp.zeros((TILE, w), _F32)
-    if PULL_PLUS_DENSE and bounded:   # all key tiles j <= i in one dot
-      rows_all = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, w), 0)
-      y_all = jnp.where(rows_all < (i + 1) * TILE, k_ref[...].astype(_F32)
-                        * jnp.exp(c_i - b_ref[...].astype(_F32)), 0.0)
-      y_all = y_all.astype(mm)
-      acc_q = _dot(da_ref[_rows(i), :], y_all, _NN, mm)
-      acc_k = _dot(dlk_ref[_rows(i), :], y_all, _NN, mm)
-    else:
-      acc_q, acc_k = jax.lax.fori_loop(0, n_dense, plus_b, (zeros, zeros))
+    acc_q, acc_k = jax.lax.fori_loop(0, n_dense, plus_b, (zeros, zeros))
     dq_i = dq_i + acc_q * x_scale
     dk_i = dk_i + acc_k * x_scale
     db_i = db_i + acc_q * q_dec.astype(_F32) + acc_k * k_dec.astype(_F32)

@@ -8,8 +8,9 @@ gla_pallas Tuning.split_grad_k; "main+mosaic": the state and dstate passes
 on Mosaic GPU, state_pass="mosaic" / Tuning.state_pass; "main+mosaic_out":
 the output kernel on Mosaic GPU, output_kernel / Tuning.output_kernel;
 "main+tf32x3": KDA's triangular inverse on 3xTF32 MMAs, inverse_dot;
-"main+held" / "main+stream" / "main+pull": KDA's grad_k_order (default:
-the module's GRAD_K_ORDER); any
+"main+held" / "main+stream" / "main+pull": the grad_k order, kda_pallas
+grad_k_order / gla_pallas Tuning.grad_k_order (no "stream" on GLA;
+default: the module's); any
 combination, e.g. "main+split+mosaic+mosaic_out"), or any file holding an
 older copy of the module,
 e.g. one taken from git before the device call:
@@ -51,9 +52,8 @@ from experiments.timing import median_ms
 _VERSIONS = flags.DEFINE_list(
     "versions", ["kda:main", "kda:main+split", "gla:main", "gla:main+split"],
     "op:version entries: op kda|gla; version main with options +split, "
-    "+mosaic, +mosaic_out, +tf32x3, +held, +stream, +pull (kda; one of "
-    "+held, +stream, +pull), or a path to a .py copy of the op's kernel "
-    "module.")
+    "+mosaic, +mosaic_out, +tf32x3 (kda), one of +held, +stream (kda), "
+    "+pull, or a path to a .py copy of the op's kernel module.")
 _SHAPES = flags.DEFINE_list("shapes", ["1x32768", "8x8192"], "BxT shapes.")
 _ITERS = flags.DEFINE_integer("iters", 10, "Timed calls (median).")
 _OUT = flags.DEFINE_string("out", "/tmp/ab_kernels", "Output folder.")
@@ -64,7 +64,7 @@ G_MIN = -5.0
 OPS = ("kda", "gla")
 ORDERS = ("held", "stream", "pull")   # kda_pallas grad_k_order
 OPTIONS = ("split", "mosaic", "mosaic_out", "tf32x3") + ORDERS
-KDA_ONLY = ("tf32x3",) + ORDERS
+KDA_ONLY = ("tf32x3", "stream")   # GLA's grad_k orders: held, pull
 
 
 def parse_versions(entries):
@@ -130,17 +130,18 @@ def jitted_fns(op, mod, options, interpret):
   if interpret:
     kw["interpret"] = True
   if options:
+    order = next((o for o in ORDERS if o in options), None)
     split = "split" in options
     passes = "mosaic" if "mosaic" in options else "triton"
     out = "mosaic" if "mosaic_out" in options else "triton"
     if op == "kda":
       kw.update(split_grad_k=split, state_pass=passes, output_kernel=out,
                 inverse_dot="tf32x3" if "tf32x3" in options else "ieee",
-                grad_k_order=next((o for o in ORDERS if o in options),
-                                  None))
+                grad_k_order=order)
     else:
       kw["tune"] = mod.Tuning(split_grad_k=split, state_pass=passes,
-                              output_kernel=out)
+                              output_kernel=out,
+                              **({"grad_k_order": order} if order else {}))
   call = lambda d: impl(*[d[n] for n in names], **kw)[0]  # noqa: E731
 
   def fwd_bwd(x):

@@ -506,6 +506,132 @@ def _store_key_side_grads(dq, dk, db, d_end, dq_ref, dk_ref, dg_ref, g_ref,
                                  dq_ref, dk_ref, dg_ref, g_ref, g_min)
 
 
+def _pull_key_side_grads(row_terms, pairs, q_ref, k_ref, b_ref, g_ref,
+                         x_dh, dh_s, dq_ref, dk_ref, dg_ref, *, bounded, mm,
+                         g_min):
+  """dq, dk and dg of one K slice, each row tile PULLING its own terms.
+
+  The key-side grads of GLA and KDA (`grad_k` kernels, "pull" order). The
+  row tiles run last first in a fori_loop; tile i forms its "+b" terms from
+  the key tiles j <= i and its "-b" terms from the query tiles m >= i in
+  inner fori_loops and stores dq, dk, dg at once: only the reverse
+  cumsum's running row is carried across tiles, so the live set is one
+  tile's (holding every tile's results to the end, the "held" order, took
+  255 registers and spilled at w=32). Each tile pair's product is formed
+  with the same rounded operands on its query and key sides, so the two
+  cancel in dg's cumsum as in exact arithmetic.
+
+  row_terms(i, q_i, k_i, b_i) -> (dq_i, dk_i, db_i) [16, w] fp32: row tile
+  i's terms through the state (and KDA's delta-rule rows); it may store
+  per-row outputs itself.
+  pairs: [(mat_ref, is_k)]: the [C, C] gradients of the chunk's score
+  matrices, each with the operand on its query side, q (is_k False) or k:
+  GLA [(dA, False)], KDA [(dAqk, False), (dLk, True)]. A pair's "+b" term
+  goes to that operand's gradient, its "-b" term to dk.
+  q_ref, k_ref, b_ref (b: the within-chunk cumsum the intra kernel stored),
+  g_ref (the caller's g, read with g_min only) [C, w]; x_dh(t) -> (X dH^T)
+  [tile t] and dh_s [w] as `_state_side_terms` returns them.
+  """
+  w = q_ref.shape[-1]
+  tile_row = jax.lax.broadcasted_iota(jnp.int32, (TILE, w), 0)
+  b_last = jnp.sum(jnp.where(tile_row == TILE - 1,
+                             b_ref[_rows(N_TILES - 1), :], 0.0), axis=0)
+  row, col = _tile_iota()
+  causal = row >= col
+  upper = jnp.where(col >= row, 1.0, 0.0).astype(_F32)
+
+  def load(ref, t):
+    return ref[_rows(t), :].astype(_F32)
+
+  def anchor(t):   # b at the first row of tile t [1, w]
+    return b_ref[pl.ds(t * TILE, 1), :].astype(_F32)
+
+  def end_term(t):   # (X dH^T) exp(b_C - b) on row tile t [16, w]
+    return x_dh(t) * jnp.exp(b_last[None, :] - load(b_ref, t))
+
+  def end_sum(t, acc):
+    return acc + jnp.sum(load(k_ref, t) * end_term(t), axis=0)
+
+  # d/db_C (`_end_terms`), needed before the last tile is stored: the
+  # chunk-end terms run once here for their column sums and again per tile
+  # (same code: the two differ at most by fp32 rounding).
+  d_end = jax.lax.fori_loop(0, N_TILES, end_sum, jnp.zeros((w,), _F32))
+  d_end = d_end + jnp.exp(b_last) * dh_s
+
+  def decayed(t):   # the query-side operands of tile t: x exp(b - anchor)
+    x_scale = jnp.exp(load(b_ref, t) - anchor(t))             # <= 1
+    return [(load(k_ref if is_k else q_ref, t) * x_scale).astype(mm)
+            for _, is_k in pairs], x_scale
+
+  def row_tile(it, later):
+    i = N_TILES - 1 - it
+    b_i, q_i, k_i = load(b_ref, i), load(q_ref, i), load(k_ref, i)
+    c_i = anchor(i)
+    dq_i, dk_i, db_i = row_terms(i, q_i, k_i, b_i)
+    t_end = end_term(i)
+    dk_neg, db_neg = t_end, k_i * t_end
+    x_dec, x_scale = decayed(i)
+    n_dense = i + 1 if bounded else i   # unbounded: diagonal pair by pair
+
+    def plus_b(j, accs):   # key tile j <= i: mat_ij (k_j exp(c_i - b_j))
+      y_dec = (load(k_ref, j) * jnp.exp(c_i - load(b_ref, j))).astype(mm)
+      return tuple(a + _dot(_tile(m, i, j), y_dec, _NN, mm)
+                   for a, (m, _) in zip(accs, pairs))
+
+    zeros = tuple(jnp.zeros((TILE, w), _F32) for _ in pairs)
+    accs = jax.lax.fori_loop(0, n_dense, plus_b, zeros)
+    for acc, xd, (_, is_k) in zip(accs, x_dec, pairs):
+      if is_k:
+        dk_i = dk_i + acc * x_scale
+      else:
+        dq_i = dq_i + acc * x_scale
+      db_i = db_i + acc * xd.astype(_F32)
+
+    def minus_b(m, acc):   # query tile m >= i: the pair (m, i)'s key side
+      dk_n, db_n = acc
+      x_dec_m, _ = decayed(m)
+      t_n = None
+      for xd, (mat, _) in zip(x_dec_m, pairs):
+        part = _dot(_tile(mat, m, i), xd, _TN, mm)
+        t_n = part if t_n is None else t_n + part
+      y_scale = jnp.exp(anchor(m) - b_i)        # <= 1 off the diagonal
+      y_dec = (k_i * y_scale).astype(mm)
+      return dk_n + t_n * y_scale, db_n + t_n * y_dec.astype(_F32)
+
+    dk_neg, db_neg = jax.lax.fori_loop(i if bounded else i + 1, N_TILES,
+                                       minus_b, (dk_neg, db_neg))
+    if not bounded:   # the diagonal pair, position by position
+      pd = _pair_decay(b_i, causal)                           # [16, 16, w]
+      pk = pd * k_i[None, :, :]
+      mix = None
+      for mat, is_k in pairs:
+        m_ii = _tile(mat, i, i)
+        x_i = k_i if is_k else q_i
+        p_x = jnp.sum(m_ii[:, :, None] * pk, axis=1)
+        if is_k:
+          dk_i = dk_i + p_x
+        else:
+          dq_i = dq_i + p_x
+        db_i = db_i + x_i * p_x
+        part = m_ii[:, :, None] * x_i[:, None, :]
+        mix = part if mix is None else mix + part
+      p_n = jnp.sum(pd * mix, axis=0)
+      dk_neg, db_neg = dk_neg + p_n, db_neg + k_i * p_n
+    dq_ref[_rows(i), :] = dq_i.astype(dq_ref.dtype)
+    dk_ref[_rows(i), :] = (dk_i + dk_neg).astype(dk_ref.dtype)
+    # dg: the within-chunk reverse cumsum of dL/db plus d_end (which enters
+    # at the chunk's last row, so every row's sum holds it: `later` starts
+    # at d_end); clamp mask as in `_store_key_side_tile`.
+    dg_i = _dot(upper, db_i - db_neg) + later[None, :]
+    later = jnp.sum(jnp.where(tile_row == 0, dg_i, 0.0), axis=0)
+    if g_min is not None:
+      dg_i = jnp.where(g_ref[_rows(i), :] < g_min, 0.0, dg_i)
+    dg_ref[_rows(i), :] = dg_i
+    return later
+
+  jax.lax.fori_loop(0, N_TILES, row_tile, d_end)
+
+
 def _store_key_side_tile(i, dq_i, dk_i, db_i, d_end, later, dq_ref, dk_ref,
                          dg_ref, g_ref, g_min):
   """Stores row tile i of dq, dk (in their refs' dtypes) and dg; tiles go

@@ -96,7 +96,7 @@ from pallas_kernels.linear_attention.chunk_common import (
     _pair_decay, _row_slice_scores, _rows, _shape_of, _square_spec,
     _state_side_inputs, _state_side_terms, _store_key_side_grads, _store_row,
     _row_slice_operands, _tile, _tile_iota, check_dims, check_g_min,
-    _next_pow2)
+    _next_pow2, _pull_key_side_grads)
 from pallas_kernels.linear_attention import state_mosaic
 from pallas_kernels.linear_attention.state_mosaic import (
     STAGE_KERNELS, STATE_PASS_CHOICES)
@@ -126,6 +126,14 @@ class Tuning:
   split_grad_k: bool = False
   state_side_bk: int = 64
   state_side_warps: int = 4
+  # grad_k's order on its row tiles: "held" (in order, every tile's results
+  # held to the end) or "pull" (last first in a fori_loop, each tile forming
+  # all of its own gradients: chunk_common._pull_key_side_grads), and its K
+  # slice width (None: block_k). KDA's grad_k, pull at 64 against held at
+  # 32, went 21.1 -> 19.2 ms fwd+bwd at B8 T8192 and 10.6 -> 9.8 at B1
+  # T32768 (H100, session 19); GLA's is untimed: "held".
+  grad_k_order: str = "held"
+  grad_k_bk: int | None = None
   # The state and dstate passes as Triton ("triton") or Mosaic GPU
   # ("mosaic": wgmma + TMA, state_mosaic.py, blocks pass_bk x pass_bv; bf16,
   # K >= 64) kernels; "auto": Mosaic on a GPU where it applies. H200 B1
@@ -140,6 +148,7 @@ class Tuning:
 
 
 DEFAULT_TUNING = Tuning()
+GRAD_K_ORDERS = ("held", "pull")
 
 
 # ---------------------------------------------------------------------------
@@ -283,6 +292,23 @@ def _grad_k_kernel(*refs, scale, bv, bounded, mm, g_min, split):
                         d_end, dq_ref, dk_ref, dg_ref, g_ref, g_min)
 
 
+def _grad_k_pull_kernel(*refs, scale, bv, bounded, mm, g_min, split):
+  # grad_k in the "pull" order (`chunk_common._pull_key_side_grads`): same
+  # refs and outputs as `_grad_k_kernel`.
+  (q_ref, k_ref, b_ref, g_ref, da_ref), side = refs[:5], refs[5:-3]
+  dq_ref, dk_ref, dg_ref = refs[-3:]
+  do_s, _, x_dh, dh_s = _state_side_terms(side, split, bv, mm, delta=False)
+
+  def row_terms(i, q_i, k_i, b_i):   # through S: (q exp(b)) S
+    del k_i
+    dq_i = scale * do_s(i) * jnp.exp(b_i)
+    return dq_i, jnp.zeros_like(dq_i), q_i * dq_i
+
+  _pull_key_side_grads(row_terms, [(da_ref, False)], q_ref, k_ref, b_ref,
+                       g_ref, x_dh, dh_s, dq_ref, dk_ref, dg_ref,
+                       bounded=bounded, mm=mm, g_min=g_min)
+
+
 # ---------------------------------------------------------------------------
 # Wrappers.
 # ---------------------------------------------------------------------------
@@ -415,14 +441,18 @@ def _grad_k_call(qp, kp_, bp, gp, dop, vp, da, states, dstates, lay, scale,
   over V run first in chunk_common's state-side kernel."""
   if g_min is None:
     gp = bp   # a placeholder: the kernel reads g only with g_min
+  if tune.grad_k_bk is not None:
+    lay = dict(lay, bk=min(lay["kp"], tune.grad_k_bk))
   bk, dv = lay["bk"], lay["dv"]
+  kernel = (_grad_k_pull_kernel if tune.grad_k_order == "pull" else
+            _grad_k_kernel)
   k_slice = _chunk_spec(bk, True)
   side, side_specs = _state_side_inputs(
       [dop, vp], (False, True), states, dstates, lay, tune.split_grad_k,
       tune.state_side_bk, tune.state_side_warps, interpret,
       "gla_chunk_state_side")
   return pl.pallas_call(
-      functools.partial(_grad_k_kernel, scale=scale,
+      functools.partial(kernel, scale=scale,
                         bv=_block_v(dv, tune.grad_bv), bounded=bounded,
                         mm=lay["mm"], g_min=g_min, split=tune.split_grad_k),
       grid=(lay["bsz"], lay["h"], lay["n_chunks"], lay["kp"] // bk),
@@ -515,9 +545,12 @@ def check_tuning(tune):
   if not isinstance(tune, Tuning):
     raise ValueError(f"tune must be a gla_pallas.Tuning, got {tune!r}")
   for name in ("block_k", "pass_bk", "pass_bv", "bv", "grad_bv",
-               "state_side_bk"):
+               "state_side_bk", "grad_k_bk"):
     size = getattr(tune, name)
-    if size < TILE or size & (size - 1):
+    if size is None and name == "grad_k_bk":
+      continue
+    if (isinstance(size, bool) or not isinstance(size, int) or size < TILE
+        or size & (size - 1)):
       raise ValueError(f"tune.{name} must be a power of two >= {TILE}, got "
                        f"{size!r}")
   for name in ("intra_warps", "pass_warps", "output_warps", "dv_warps",
@@ -529,7 +562,8 @@ def check_tuning(tune):
     raise ValueError(f"tune.split_grad_k must be True or False, got "
                      f"{tune.split_grad_k!r}")
   for name, allowed in (("state_pass", STATE_PASS_CHOICES),
-                        ("output_kernel", STAGE_KERNELS)):
+                        ("output_kernel", STAGE_KERNELS),
+                        ("grad_k_order", GRAD_K_ORDERS)):
     if getattr(tune, name) not in allowed:
       raise ValueError(f"tune.{name} must be one of {allowed}, got "
                        f"{getattr(tune, name)!r}")

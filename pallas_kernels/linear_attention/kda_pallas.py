@@ -192,7 +192,8 @@ from pallas_kernels.linear_attention.chunk_common import (
     _row_slice_scores, _shape_of, _square_spec, _store_row,
     _tile_iota, check_dims, check_g_min, _tile, _end_terms,
     _state_side_terms, _state_side_inputs, _row_slice_operands,
-    _store_key_side_grads, _store_key_side_tile, _chunk_layout, _next_pow2)
+    _store_key_side_grads, _store_key_side_tile, _chunk_layout, _next_pow2,
+    _pull_key_side_grads)
 from pallas_kernels.linear_attention.reference import chunk_kda_ref
 # K slice width of the bounded path. Narrow slices bound the live [16, bk]
 # fp32 tiles: on an H200 (B1 T32768 H16 D128 bf16, experiments/profile_kda.py)
@@ -641,118 +642,28 @@ def _grad_k_kernel(*refs, scale, bv, bounded, mm, g_min, split, stream):
 
 
 def _grad_k_pull_kernel(*refs, scale, bv, bounded, mm, g_min, split):
-  # grad_k with every row tile PULLING its own gradients (same refs and
-  # outputs as `_grad_k_kernel`). The row tiles run last first in a
-  # fori_loop, and each tile i forms its "+b" terms from the key tiles
-  # j <= i and its "-b" terms from the query tiles m >= i, in inner
-  # fori_loops, then stores dq, dk, dg at once: nothing is held across tiles
-  # but the reverse cumsum's running row, so the live set is one tile's
-  # (the in-order kernel holds ~10 lists of 4 [16, w] tiles: 255 registers
-  # and spills at w=32). Each tile-pair product is the same as there, with
-  # the same rounded operands on both sides (the dg cancellation, see
-  # `_grad_k_kernel`); the loops make the compiler keep one iteration's
-  # values, not all. The chunk-end total d_end is needed before the last
-  # tile is stored, so the chunk-end terms run once first for their column
-  # sums and again per tile (same code; the two can differ only by fp32
-  # rounding, not by the bf16 rounding of dot operands).
+  # grad_k in the "pull" order (`chunk_common._pull_key_side_grads`: the
+  # row tiles last first in a fori_loop, each forming all of its own
+  # gradients): same refs and outputs as `_grad_k_kernel`.
   (q_ref, k_ref, b_ref, g_ref, beta_ref, da_ref, dlk_ref), side = (
       refs[:7], refs[7:-4])
   dq_ref, dk_ref, dg_ref, dbeta_ref = refs[-4:]
   do_s, du_s, x_dh, dh_s = _state_side_terms(side, split, bv, mm, delta=True)
-  w = q_ref.shape[-1]
-  last = jax.lax.broadcasted_iota(jnp.int32, (TILE, w), 0) == TILE - 1
-  b_last = jnp.sum(jnp.where(last, b_ref[_rows(N_TILES - 1), :], 0.0),
-                   axis=0)
-  tile_row = jax.lax.broadcasted_iota(jnp.int32, (TILE, w), 0)
-  row, col = _tile_iota()
-  causal = row >= col
-  upper = jnp.where(col >= row, 1.0, 0.0).astype(_F32)
 
-  def load(ref, t):
-    return ref[_rows(t), :].astype(_F32)
-
-  def anchor(t):   # b at the first row of tile t [1, w]
-    return b_ref[pl.ds(t * TILE, 1), :].astype(_F32)
-
-  def end_term(t):   # (V' dH^T) exp(b_C - b) on row tile t [16, w]
-    return x_dh(t) * jnp.exp(b_last[None, :] - load(b_ref, t))
-
-  def end_sum(t, acc):
-    return acc + jnp.sum(load(k_ref, t) * end_term(t), axis=0)
-
-  d_end = jax.lax.fori_loop(0, N_TILES, end_sum, jnp.zeros((w,), _F32))
-  d_end = d_end + jnp.exp(b_last) * dh_s
-
-  def decayed(t):   # q, k of tile t times exp(b - anchor), matmul dtype
-    x_scale = jnp.exp(load(b_ref, t) - anchor(t))
-    return ((load(q_ref, t) * x_scale).astype(mm),
-            (load(k_ref, t) * x_scale).astype(mm), x_scale)
-
-  def row_tile(it, later):
-    i = N_TILES - 1 - it
-    b_i, q_i, k_i = load(b_ref, i), load(q_ref, i), load(k_ref, i)
+  def row_terms(i, q_i, k_i, b_i):   # through S and the delta-rule rows
     beta_i = jax.lax.broadcast_in_dim(
         beta_ref[_rows(i)].astype(_F32), (TILE, 1), (0,))
-    c_i = anchor(i)
     eb = jnp.exp(b_i)
     dq_i = scale * do_s(i) * eb                               # (q exp(b)) S
     d_rk = -du_s(i)                                           # dR_k rows
     k_eb = k_i * eb
     dbeta_ref[_rows(i)] = jnp.sum(d_rk * k_eb, axis=1)
-    dk_i = beta_i * d_rk * eb
-    db_i = q_i * dq_i + beta_i * d_rk * k_eb
-    t_end = end_term(i)
-    dk_neg, db_neg = t_end, k_i * t_end
-    q_dec, k_dec, x_scale = decayed(i)
-    n_dense = i + 1 if bounded else i   # unbounded: diagonal pair by pair
+    return (dq_i, beta_i * d_rk * eb,
+            q_i * dq_i + beta_i * d_rk * k_eb)
 
-    def plus_b(j, acc):   # key tile j <= i: dA_ij (k_j exp(c_i - b_j))
-      acc_q, acc_k = acc
-      y_dec = (load(k_ref, j) * jnp.exp(c_i - load(b_ref, j))).astype(mm)
-      return (acc_q + _dot(_tile(da_ref, i, j), y_dec, _NN, mm),
-              acc_k + _dot(_tile(dlk_ref, i, j), y_dec, _NN, mm))
-
-    zeros = jnp.zeros((TILE, w), _F32)
-    acc_q, acc_k = jax.lax.fori_loop(0, n_dense, plus_b, (zeros, zeros))
-    dq_i = dq_i + acc_q * x_scale
-    dk_i = dk_i + acc_k * x_scale
-    db_i = db_i + acc_q * q_dec.astype(_F32) + acc_k * k_dec.astype(_F32)
-
-    def minus_b(m, acc):   # query tile m >= i: the pair (m, i)'s key side
-      dk_n, db_n = acc
-      q_dec_m, k_dec_m, _ = decayed(m)
-      t_n = (_dot(_tile(da_ref, m, i), q_dec_m, _TN, mm)
-             + _dot(_tile(dlk_ref, m, i), k_dec_m, _TN, mm))
-      y_scale = jnp.exp(anchor(m) - b_i)        # <= 1 off the diagonal
-      y_dec = (k_i * y_scale).astype(mm)
-      return dk_n + t_n * y_scale, db_n + t_n * y_dec.astype(_F32)
-
-    dk_neg, db_neg = jax.lax.fori_loop(i if bounded else i + 1, N_TILES,
-                                       minus_b, (dk_neg, db_neg))
-    if not bounded:   # the diagonal pair, position by position
-      da, dlk = _tile(da_ref, i, i), _tile(dlk_ref, i, i)
-      pd = _pair_decay(b_i, causal)                           # [16, 16, w]
-      pk = pd * k_i[None, :, :]
-      p_q = jnp.sum(da[:, :, None] * pk, axis=1)
-      p_k = jnp.sum(dlk[:, :, None] * pk, axis=1)
-      p_n = jnp.sum(pd * (da[:, :, None] * q_i[:, None, :]
-                          + dlk[:, :, None] * k_i[:, None, :]), axis=0)
-      dq_i, dk_i = dq_i + p_q, dk_i + p_k
-      db_i = db_i + q_i * p_q + k_i * p_k
-      dk_neg, db_neg = dk_neg + p_n, db_neg + k_i * p_n
-    dq_ref[_rows(i), :] = dq_i.astype(dq_ref.dtype)
-    dk_ref[_rows(i), :] = (dk_i + dk_neg).astype(dk_ref.dtype)
-    # dg: the within-chunk reverse cumsum of dL/db plus d_end (which enters
-    # at the chunk's last row, so every row's sum holds it: `later` starts
-    # at d_end); clamp mask as in `_store_key_side_tile`.
-    dg_i = _dot(upper, db_i - db_neg) + later[None, :]
-    later = jnp.sum(jnp.where(tile_row == 0, dg_i, 0.0), axis=0)
-    if g_min is not None:
-      dg_i = jnp.where(g_ref[_rows(i), :] < g_min, 0.0, dg_i)
-    dg_ref[_rows(i), :] = dg_i
-    return later
-
-  jax.lax.fori_loop(0, N_TILES, row_tile, d_end)
+  _pull_key_side_grads(row_terms, [(da_ref, False), (dlk_ref, True)], q_ref,
+                       k_ref, b_ref, g_ref, x_dh, dh_s, dq_ref, dk_ref,
+                       dg_ref, bounded=bounded, mm=mm, g_min=g_min)
 
 
 # ---------------------------------------------------------------------------

@@ -8,6 +8,8 @@ gla_pallas Tuning.split_grad_k; "main+mosaic": the state and dstate passes
 on Mosaic GPU, state_pass="mosaic" / Tuning.state_pass; "main+mosaic_out":
 the output kernel on Mosaic GPU, output_kernel / Tuning.output_kernel;
 "main+tf32x3": KDA's triangular inverse on 3xTF32 MMAs, inverse_dot;
+"main+slices": KDA's intra kernel with its K slices outside the rows,
+intra_order="slices";
 "main+held" / "main+stream" / "main+pull": the grad_k order, kda_pallas
 grad_k_order / gla_pallas Tuning.grad_k_order (no "stream" on GLA;
 default: the module's); any
@@ -52,8 +54,9 @@ from experiments.timing import median_ms
 _VERSIONS = flags.DEFINE_list(
     "versions", ["kda:main", "kda:main+split", "gla:main", "gla:main+split"],
     "op:version entries: op kda|gla; version main with options +split, "
-    "+mosaic, +mosaic_out, +tf32x3 (kda), one of +held, +stream (kda), "
-    "+pull, or a path to a .py copy of the op's kernel module.")
+    "+mosaic, +mosaic_out, +tf32x3 (kda), +slices (kda), one of +held, "
+    "+stream (kda), +pull, or a path to a .py copy of the op's kernel "
+    "module.")
 _SHAPES = flags.DEFINE_list("shapes", ["1x32768", "8x8192"], "BxT shapes.")
 _ITERS = flags.DEFINE_integer("iters", 10, "Timed calls (median).")
 _OUT = flags.DEFINE_string("out", "/tmp/ab_kernels", "Output folder.")
@@ -63,8 +66,8 @@ _INTERPRET = flags.DEFINE_bool("interpret", False,
 G_MIN = -5.0
 OPS = ("kda", "gla")
 ORDERS = ("held", "stream", "pull")   # kda_pallas grad_k_order
-OPTIONS = ("split", "mosaic", "mosaic_out", "tf32x3") + ORDERS
-KDA_ONLY = ("tf32x3", "stream")   # GLA's grad_k orders: held, pull
+OPTIONS = ("split", "mosaic", "mosaic_out", "tf32x3", "slices") + ORDERS
+KDA_ONLY = ("tf32x3", "slices", "stream")   # GLA's grad_k: held, pull
 
 
 def parse_versions(entries):
@@ -137,7 +140,8 @@ def jitted_fns(op, mod, options, interpret):
     if op == "kda":
       kw.update(split_grad_k=split, state_pass=passes, output_kernel=out,
                 inverse_dot="tf32x3" if "tf32x3" in options else "ieee",
-                grad_k_order=order)
+                grad_k_order=order,
+                intra_order="slices" if "slices" in options else None)
     else:
       kw["tune"] = mod.Tuning(split_grad_k=split, state_pass=passes,
                               output_kernel=out,

@@ -97,7 +97,8 @@ def profile(x, bounded, block_k, iters, interpret=False, split=False,
   inverse_dot = "tf32x3" if tf32x3 else "ieee"
   f = jax.jit(functools.partial(kp._intra_call, lay=lay, bounded=bounded,  # pylint: disable=protected-access
                                 interpret=interpret, for_backward=True,
-                                g_min=g_min, inverse_dot=inverse_dot))
+                                g_min=g_min, inverse_dot=inverse_dot,
+                                intra_order=kp.INTRA_ORDER))
   c["prepare (XLA pads)"] = median_ms(
       lambda: prep(q, k, v, g, beta, s0), iters)
   c["1 intra (b, Aqk, Lk, M, W, U)"] = median_ms(

@@ -33,9 +33,9 @@ def _run(*args):
      "path:block_k[:split][:mosaic][:mosaic_out][:tf32x3]"),
     (("experiments.ab_kernels", "--versions=kda:v2"), "--versions",
      "version main (with options +split, +mosaic, +mosaic_out, +tf32x3, "
-     "+held, +stream, +pull) or a path to a .py file"),
+     "+slices, +held, +stream, +pull) or a path to a .py file"),
     (("experiments.ab_kernels", "--versions=gla:main+stream"), "--versions",
-     "+tf32x3, +stream are kda options"),
+     "+tf32x3, +slices, +stream are kda options"),
     (("experiments.ab_kernels", "--versions=kda:main+stream+pull"),
      "--versions", "+held, +stream, +pull are grad_k orders: give one"),
     (("experiments.ab_kernels", "--versions=gla:/no/such/gla.py"),

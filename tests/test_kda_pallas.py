@@ -276,10 +276,28 @@ def test_grad_k_orders_match_reference(path, order, split, config_d):
     assert rel_err(a, b) < 1e-5, name
 
 
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_intra_order_slices_is_bit_identical(path, config_d):
+  # intra_order="slices": the intra kernel's K slices (two at K=32,
+  # block_k=16) outside its row tiles; the same products summed in the
+  # same order, so o, the state and every gradient are the same bits.
+  inputs, cts, _ = config_d
+  base = d_op(PATHS[path])
+  slices = lambda *a: kda_pallas(  # noqa: E731
+      *a[:5], scale=D_SCALE, initial_state=a[5], chunk_size=64,
+      g_min=PATHS[path], interpret=True, block_k=16, grad_k_block_k=16,
+      grad_k_order="held", intra_order="slices")
+  want_out, want = pallas_grads(base, inputs, cts)
+  got_out, got = pallas_grads(slices, inputs, cts)
+  for a, b in zip(list(got_out) + list(got), list(want_out) + list(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 @pytest.mark.parametrize("knob,message", [
     ("split_grad_k", "split_grad_k must be None, True or False"),
     ("grad_k_order", r"grad_k_order must be one of \('held', 'stream', "
-     r"'pull'\)")])
+     r"'pull'\)"),
+    ("intra_order", r"intra_order must be one of \('rows', 'slices'\)")])
 def test_grad_k_knobs_are_checked(knob, message):
   q, k, v, g, beta, s0 = make_inputs(0, t=16)
   with pytest.raises(ValueError, match=message):

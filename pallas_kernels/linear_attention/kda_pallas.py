@@ -289,6 +289,16 @@ OUTPUT_KERNEL = "triton"
 # tf32x3 is SLOWER despite the fewer spills, fwd 4.47 vs 3.53 ms and
 # fwd+bwd 12.06 vs 10.88 ms at B1 T32768: "ieee".
 INVERSE_DOT = "ieee"
+# The intra kernel's score loops: "rows" (per row tile, a fori_loop over
+# the K slices) or "slices" (one fori_loop over the K slices, all rows
+# inside: b computed once per slice; `_intra_scores_by_slice`). Untimed
+# (built after session 19's lease): "rows". The intra kernel is 4.4 of the
+# forward's 6.9 ms at B8 T8192 on an H100, and the forward is 0.68x fla's.
+# Resource report (sm_90, K=V=128, bf16, bounded): rows 255 registers, 200
+# B stack, 85 / 41 LDL / STL, 6300 TTIR lines; slices 255, 560 B, 184 /
+# 179, 5649 lines (fewer scans, more spills: the 20 carried accumulators).
+INTRA_ORDER = "rows"
+INTRA_ORDERS = ("rows", "slices")
 INVERSE_DOTS = ("ieee", "tf32x3")
 NUM_STAGES = 2
 
@@ -366,15 +376,53 @@ def _store_lower_product(out_ref, cols, mt, rhs, mm):
 # ---------------------------------------------------------------------------
 
 
+def _intra_scores_by_slice(q_ref, k_ref, g_ref, b_ref, qg_ref, kg_ref,
+                           ec_ref, bk, n_k, bounded, mm, g_min, causal):
+  """The intra kernel's score tiles with the K slices OUTSIDE the rows
+  (INTRA_ORDER "slices"): one fori_loop over the slices, each computing b
+  once for all 4 tiles and adding its part to all 10 tile pairs of Lk and
+  Aqk (20 [16, 16] fp32 accumulators carried), where the "rows" order runs
+  one loop over the slices per row tile and recomputes b of tiles 0..i
+  (10 tile cumsums per slice instead of 4). Same products summed in the
+  same slice order, same stores (`_row_slice_operands`): bit-identical.
+  Returns (lk, aqk): per row tile i, the i + 1 tiles j <= i (unmasked)."""
+
+  def body(kk, acc):
+    cols = _k_slice(kk, bk)
+    b, c, b_end = _cumsum_tiles(g_ref, cols, N_TILES, g_min)
+    k_t = [k_ref[_rows(t), cols].astype(_F32) for t in range(N_TILES)]
+    lk_acc, aqk_acc = acc
+    new_lk, new_aqk = [], []
+    for i in range(N_TILES):
+      q_i = q_ref[_rows(i), cols].astype(_F32)
+      if b_ref is not None:
+        b_ref[_rows(i), cols] = b[i]
+      qg_ref[_rows(i), cols] = (q_i * jnp.exp(b[i])).astype(qg_ref.dtype)
+      lk_s, aqk_s = _row_slice_scores(i, [k_t[i], q_i], k_t, b, c, causal,
+                                      bounded, mm)
+      new_lk.append(tuple(a + p for a, p in zip(lk_acc[i], lk_s)))
+      new_aqk.append(tuple(a + p for a, p in zip(aqk_acc[i], aqk_s)))
+    for t in range(N_TILES):
+      kg_ref[_rows(t), cols] = (
+          k_t[t] * jnp.exp(b_end[None, :] - b[t])).astype(kg_ref.dtype)
+    ec_ref[cols] = jnp.exp(b_end)
+    return tuple(new_lk), tuple(new_aqk)
+
+  zeros = tuple(tuple(jnp.zeros((TILE, TILE), _F32) for _ in range(i + 1))
+                for i in range(N_TILES))
+  return jax.lax.fori_loop(0, n_k, body, (zeros, zeros))
+
+
 def _intra_kernel(q_ref, k_ref, g_ref, beta_ref, v_ref, w_ref, u_ref,
                   aqk_ref, qg_ref, kg_ref, ec_ref, *grad_refs, bk, bv,
-                  bounded, mm, g_min, inverse_dot="ieee"):
+                  bounded, mm, g_min, inverse_dot="ieee", order="rows"):
   # q_ref, k_ref, g_ref, w_ref, qg_ref, kg_ref [C, Kp]; beta_ref [C];
   # v_ref, u_ref [C, V]; aqk_ref [C, C] (matmul dtype); ec_ref [Kp];
   # grad_refs: (b_ref [C, Kp] fp32, m_ref [C, C] matmul dtype, lk_ref
   # [C, C] fp32) when the backward needs them, else (). g_min: the bounded
   # path's clamp (g is clamped as it is loaded, _cumsum_tiles) or None.
-  # inverse_dot: the triangular inverse's fp32 dots (INVERSE_DOT).
+  # inverse_dot: the triangular inverse's fp32 dots (INVERSE_DOT); order:
+  # the score loops' order (INTRA_ORDER).
   #
   # Row tile by row tile: row i of Lk and Aqk is summed over the K slices in
   # a fori_loop (not unrolled: unrolling the slices and the 10 tile pairs
@@ -386,6 +434,10 @@ def _intra_kernel(q_ref, k_ref, g_ref, beta_ref, v_ref, w_ref, u_ref,
   beta_t = _beta_tiles(beta_ref)
   n_k = k_ref.shape[-1] // bk
   b_ref = grad_refs[0] if grad_refs else None
+  if order == "slices":
+    scores = _intra_scores_by_slice(q_ref, k_ref, g_ref, b_ref, qg_ref,
+                                    kg_ref, ec_ref, bk, n_k, bounded, mm,
+                                    g_min, causal)
   mt = {}
   for i in range(N_TILES):
 
@@ -401,8 +453,11 @@ def _intra_kernel(q_ref, k_ref, g_ref, beta_ref, v_ref, w_ref, u_ref,
       return (tuple(a + p for a, p in zip(acc[0], lk_s)),
               tuple(a + p for a, p in zip(acc[1], aqk_s)))
 
-    zeros = tuple(jnp.zeros((TILE, TILE), _F32) for _ in range(i + 1))
-    lk, aqk = jax.lax.fori_loop(0, n_k, row_body, (zeros, zeros))
+    if order == "slices":
+      lk, aqk = scores[0][i], scores[1][i]
+    else:
+      zeros = tuple(jnp.zeros((TILE, TILE), _F32) for _ in range(i + 1))
+      lk, aqk = jax.lax.fori_loop(0, n_k, row_body, (zeros, zeros))
     lk, aqk = list(lk), list(aqk)
     # where, not a product: masked overflow cannot leak.
     lk[i] = jnp.where(strict, lk[i], 0.0)
@@ -724,7 +779,8 @@ def _prepare(q, k, v, g, beta, s0, lay):
 
 
 def _intra_call(qp, kp_, gp, betap, vp, lay, bounded, interpret,
-                for_backward=False, g_min=None, inverse_dot="ieee"):
+                for_backward=False, g_min=None, inverse_dot="ieee",
+                intra_order="rows"):
   """Kernel 1. Returns [W, U, Aqk, qg, kg, ec] (+ [b, M, Lk] with
   for_backward): W, qg = q exp(b), kg = k exp(b_C - b) [B, Tp, H, Kp] and U
   [B, Tp, H, V] in the matmul dtype; b [B, Tp, H, Kp] fp32 (the within-chunk
@@ -751,7 +807,7 @@ def _intra_call(qp, kp_, gp, betap, vp, lay, bounded, interpret,
       functools.partial(_intra_kernel, bk=lay["bk"], bv=lay["bv"],
                         bounded=bounded, mm=mm, g_min=g_min,
                         inverse_dot=("ieee" if interpret or mm == _F32
-                                     else inverse_dot)),
+                                     else inverse_dot), order=intra_order),
       grid=(lay["bsz"], lay["h"], lay["n_chunks"]),
       in_specs=[_chunk_spec(kp), _chunk_spec(kp), _chunk_spec(kp),
                 _beta_spec(), _chunk_spec(dv)],
@@ -919,13 +975,13 @@ def _grad_k_call(qp, kp_, bp, betap, dop, v_new, du, da, dlk, states,
 
 
 _STATIC = ("scale", "block_k", "bounded", "interpret", "g_min", "state_pass",
-           "output_kernel", "inverse_dot")
+           "output_kernel", "inverse_dot", "intra_order")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("for_backward",))
 def _kda_fwd_impl(q, k, v, g, beta, s0, *, scale, block_k, bounded,
                   interpret, g_min, state_pass, output_kernel, inverse_dot,
-                  for_backward=False):
+                  intra_order, for_backward=False):
   """q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; s0 [B, H, K, V].
 
   The kernels read the caller's [B, T, H, D] layout (no transposes); beta is
@@ -934,12 +990,13 @@ def _kda_fwd_impl(q, k, v, g, beta, s0, *, scale, block_k, bounded,
   Aqk, qg, kg, ec, b, M, Lk (O(T (4 K + V + 3 C)), about twice the size of
   the inputs). With g_min (a float), g is clamped to it inside the intra
   kernel; None: no clamp. state_pass, output_kernel: "triton" or
-  "mosaic" (STATE_PASS, OUTPUT_KERNEL); inverse_dot: INVERSE_DOTS.
+  "mosaic" (STATE_PASS, OUTPUT_KERNEL); inverse_dot: INVERSE_DOTS;
+  intra_order: INTRA_ORDERS.
   """
   lay = _layout(q, v, block_k)
   qp, kp_, vp, gp, betap, s0p = _prepare(q, k, v, g, beta, s0, lay)
   intra = _intra_call(qp, kp_, gp, betap, vp, lay, bounded, interpret,
-                      for_backward, g_min, inverse_dot)
+                      for_backward, g_min, inverse_dot, intra_order)
   w, u, aqk, qg, kg, ec = intra[:6]
   states, v_new, s_final = _state_pass(w, u, kg, ec, s0p, lay, interpret,
                                        state_pass)
@@ -955,11 +1012,12 @@ def _kda_fwd_impl(q, k, v, g, beta, s0, *, scale, block_k, bounded,
                    static_argnames=_STATIC + ("split", "order", "grad_bk"))
 def _kda_bwd_impl(q, k, v, beta, s0, intra, g, do, ds_final, *,
                   scale, block_k, bounded, interpret, g_min, state_pass,
-                  output_kernel, inverse_dot, split, order, grad_bk):
+                  output_kernel, inverse_dot, intra_order, split, order,
+                  grad_bk):
   """(dq, dk, dv, dg, dbeta, ds0) given do [B,T,H,V], ds_final [B,H,K,V] and
   the forward's residuals (the intra kernel's outputs, and g [B,T,H,K] when
   g_min clamps it: dg is zero where g < g_min; else g is None)."""
-  del output_kernel, inverse_dot  # the forward's options
+  del output_kernel, inverse_dot, intra_order  # the forward's options
   lay = _layout(q, v, block_k)
   t, tp, dk, kp, dv = (lay[n] for n in ("t", "tp", "dk", "kp", "dv"))
   qp, kp_, vp, betap, s0p = _prepare_inputs(q, k, v, beta, s0, lay)
@@ -990,19 +1048,20 @@ def _kda_bwd_impl(q, k, v, beta, s0, intra, g, do, ds_final, *,
 
 
 @functools.partial(jax.custom_vjp,
-                   nondiff_argnums=tuple(range(6, 17)))
+                   nondiff_argnums=tuple(range(6, 18)))
 def _kda_pallas_vjp(q, k, v, g, beta, s0, scale, block_k, bounded, interpret,
-                    g_min, state_pass, output_kernel, inverse_dot, split,
-                    order, grad_bk):
+                    g_min, state_pass, output_kernel, inverse_dot,
+                    intra_order, split, order, grad_bk):
   del split, order, grad_bk  # the backward's options
   return _kda_fwd_impl(q, k, v, g, beta, s0, scale=scale, block_k=block_k,
                        bounded=bounded, interpret=interpret, g_min=g_min,
                        state_pass=state_pass, output_kernel=output_kernel,
-                       inverse_dot=inverse_dot)
+                       inverse_dot=inverse_dot, intra_order=intra_order)
 
 
 def _vjp_fwd(q, k, v, g, beta, s0, scale, block_k, bounded, interpret, g_min,
-             state_pass, output_kernel, inverse_dot, split, order, grad_bk):
+             state_pass, output_kernel, inverse_dot, intra_order, split,
+             order, grad_bk):
   del split, order, grad_bk  # the backward's options
   # The forward keeps what its intra kernel built (b, W, U, Aqk, M, Lk, qg,
   # kg, ec): the backward does not re-run that kernel (H200, B1 T32768 H16
@@ -1011,20 +1070,21 @@ def _vjp_fwd(q, k, v, g, beta, s0, scale, block_k, bounded, interpret, g_min,
       q, k, v, g, beta, s0, scale=scale, block_k=block_k, bounded=bounded,
       interpret=interpret, g_min=g_min, state_pass=state_pass,
       output_kernel=output_kernel, inverse_dot=inverse_dot,
-      for_backward=True)
+      intra_order=intra_order, for_backward=True)
   return out, (q, k, v, beta, s0, intra, None if g_min is None else g)
 
 
 def _vjp_bwd(scale, block_k, bounded, interpret, g_min, state_pass,
-             output_kernel, inverse_dot, split, order, grad_bk, res, cts):
+             output_kernel, inverse_dot, intra_order, split, order, grad_bk,
+             res, cts):
   q, k, v, beta, s0, intra, g = res
   do, ds_final = cts
   return _kda_bwd_impl(q, k, v, beta, s0, intra, g, do, ds_final,
                        scale=scale, block_k=block_k, bounded=bounded,
                        interpret=interpret, g_min=g_min,
                        state_pass=state_pass, output_kernel=output_kernel,
-                       inverse_dot=inverse_dot, split=split, order=order,
-                       grad_bk=grad_bk)
+                       inverse_dot=inverse_dot, intra_order=intra_order,
+                       split=split, order=order, grad_bk=grad_bk)
 
 
 _kda_pallas_vjp.defvjp(_vjp_fwd, _vjp_bwd)
@@ -1033,7 +1093,8 @@ _kda_pallas_vjp.defvjp(_vjp_fwd, _vjp_bwd)
 def kda_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min,
                interpret=False, bounded=None, block_k=None,
                split_grad_k=None, state_pass=None, output_kernel=None,
-               inverse_dot=None, grad_k_order=None, grad_k_block_k=None):
+               inverse_dot=None, grad_k_order=None, grad_k_block_k=None,
+               intra_order=None):
   """Chunked KDA, forward and backward as Pallas kernels (jax.custom_vjp).
 
   Args:
@@ -1051,6 +1112,8 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min,
       two >= 16; default 32 on both paths).
     grad_k_block_k: grad_k's K slice width (a power of two >= 16; default
       BLOCK_K_GRAD_K = 64 on the bounded path, block_k on the unbounded).
+    intra_order: "rows" or "slices": the order of the intra kernel's score
+      loops (default INTRA_ORDER; see there).
     split_grad_k: run the backward's contractions over V in a kernel of
       their own before grad_k (default SPLIT_GRAD_K; an ablation knob until
       timed on a card, results/kernels.md session 16).
@@ -1110,6 +1173,10 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min,
     if value not in allowed:
       raise ValueError(f"{name} must be one of {allowed} or None, got "
                        f"{given!r}")
+  intra = INTRA_ORDER if intra_order is None else intra_order
+  if intra not in INTRA_ORDERS:
+    raise ValueError(f"intra_order must be one of {INTRA_ORDERS} or None, "
+                     f"got {intra_order!r}")
   inv = INVERSE_DOT if inverse_dot is None else inverse_dot
   if inv not in INVERSE_DOTS:
     raise ValueError(f"inverse_dot must be one of {INVERSE_DOTS} or None, "
@@ -1128,7 +1195,7 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min,
   return _kda_pallas_vjp(q, k, v, g.astype(_F32), beta,
                          initial_state.astype(_F32), scale, int(block_k),
                          bool(bounded), bool(interpret), clamp, passes,
-                         out_kernel, inv, split, order, grad_bk)
+                         out_kernel, inv, intra, split, order, grad_bk)
 
 
 def register():

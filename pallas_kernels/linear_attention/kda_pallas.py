@@ -1090,6 +1090,16 @@ def _vjp_bwd(scale, block_k, bounded, interpret, g_min, state_pass,
 _kda_pallas_vjp.defvjp(_vjp_fwd, _vjp_bwd)
 
 
+def _choice(name, given, default, allowed):
+  """given, or default when None; ValueError naming the option unless the
+  value is one of `allowed`."""
+  value = default if given is None else given
+  if value not in allowed:
+    raise ValueError(f"{name} must be one of {allowed} or None, got "
+                     f"{given!r}")
+  return value
+
+
 def kda_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min,
                interpret=False, bounded=None, block_k=None,
                split_grad_k=None, state_pass=None, output_kernel=None,
@@ -1161,26 +1171,13 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min,
   if not isinstance(split, bool):
     raise ValueError(f"split_grad_k must be None, True or False, got "
                      f"{split_grad_k!r}")
-  order = GRAD_K_ORDER if grad_k_order is None else grad_k_order
-  if order not in GRAD_K_ORDERS:
-    raise ValueError(f"grad_k_order must be one of {GRAD_K_ORDERS} or None, "
-                     f"got {grad_k_order!r}")
-  passes = STATE_PASS if state_pass is None else state_pass
-  out_kernel = OUTPUT_KERNEL if output_kernel is None else output_kernel
-  for name, value, given, allowed in (
-      ("state_pass", passes, state_pass, STATE_PASS_CHOICES),
-      ("output_kernel", out_kernel, output_kernel, STAGE_KERNELS)):
-    if value not in allowed:
-      raise ValueError(f"{name} must be one of {allowed} or None, got "
-                       f"{given!r}")
-  intra = INTRA_ORDER if intra_order is None else intra_order
-  if intra not in INTRA_ORDERS:
-    raise ValueError(f"intra_order must be one of {INTRA_ORDERS} or None, "
-                     f"got {intra_order!r}")
-  inv = INVERSE_DOT if inverse_dot is None else inverse_dot
-  if inv not in INVERSE_DOTS:
-    raise ValueError(f"inverse_dot must be one of {INVERSE_DOTS} or None, "
-                     f"got {inverse_dot!r}")
+  order, passes, out_kernel, intra, inv = (
+      _choice(name, given, default, allowed) for name, given, default, allowed
+      in (("grad_k_order", grad_k_order, GRAD_K_ORDER, GRAD_K_ORDERS),
+          ("state_pass", state_pass, STATE_PASS, STATE_PASS_CHOICES),
+          ("output_kernel", output_kernel, OUTPUT_KERNEL, STAGE_KERNELS),
+          ("intra_order", intra_order, INTRA_ORDER, INTRA_ORDERS),
+          ("inverse_dot", inverse_dot, INVERSE_DOT, INVERSE_DOTS)))
   kp = _next_pow2(dk)
   passes = state_mosaic.resolve_state_pass(
       passes, kp, dv, v.dtype, kp, _block_v(dv, BLOCK_V_PASS), interpret,

@@ -289,6 +289,7 @@ OUTPUT_KERNEL = "triton"
 # tf32x3 is SLOWER despite the fewer spills, fwd 4.47 vs 3.53 ms and
 # fwd+bwd 12.06 vs 10.88 ms at B1 T32768: "ieee".
 INVERSE_DOT = "ieee"
+INVERSE_DOTS = ("ieee", "tf32x3")
 # The intra kernel's score loops: "rows" (per row tile, a fori_loop over
 # the K slices) or "slices" (one fori_loop over the K slices, all rows
 # inside: b computed once per slice; `_intra_scores_by_slice`). Untimed
@@ -299,7 +300,6 @@ INVERSE_DOT = "ieee"
 # 179, 5649 lines (fewer scans, more spills: the 20 carried accumulators).
 INTRA_ORDER = "rows"
 INTRA_ORDERS = ("rows", "slices")
-INVERSE_DOTS = ("ieee", "tf32x3")
 NUM_STAGES = 2
 
 __all__ = ["kda_pallas", "register", "GMinError", "G_MIN_LOWEST"]

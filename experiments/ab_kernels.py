@@ -2,20 +2,21 @@ r"""Versions of a kernel module timed side by side, in one process (GPU).
 
 Call-to-call noise on the device machines is +-15% (results/kernels.md), so
 a change is judged against the version before it in the SAME process, on
-the same inputs. A version is the working tree's module ("main"), the same
-with options ("main+split": the split backward, kda_pallas split_grad_k /
-gla_pallas Tuning.split_grad_k; "main+mosaic": the state and dstate passes
-on Mosaic GPU, state_pass="mosaic" / Tuning.state_pass; "main+mosaic_out":
-the output kernel on Mosaic GPU, output_kernel / Tuning.output_kernel;
-"main+tf32x3": KDA's triangular inverse on 3xTF32 MMAs, inverse_dot;
-"main+slices": KDA's intra kernel with its K slices outside the rows,
-intra_order="slices";
-"main+held" / "main+stream" / "main+pull": the grad_k order, kda_pallas
-grad_k_order / gla_pallas Tuning.grad_k_order (no "stream" on GLA;
-default: the module's); any
-combination, e.g. "main+split+mosaic+mosaic_out"), or any file holding an
-older copy of the module,
-e.g. one taken from git before the device call:
+the same inputs. A version is the working tree's module ("main": all of
+its defaults), the same with options, each overriding only the setting it
+names ("main+split": the split backward, kda_pallas split_grad_k /
+gla_pallas Tuning.split_grad_k; "main+mosaic" / "main+triton": the state
+and dstate passes on Mosaic GPU / Triton, state_pass / Tuning.state_pass;
+"main+mosaic_out": the output kernel on Mosaic GPU, output_kernel /
+Tuning.output_kernel; "main+tf32x3": KDA's triangular inverse on 3xTF32
+MMAs, inverse_dot; "main+slices": KDA's intra kernel with its K slices
+outside the rows, intra_order; "main+held" / "main+stream" / "main+pull":
+the grad_k order, kda_pallas grad_k_order / gla_pallas
+Tuning.grad_k_order, no "stream" on GLA; any combination, e.g.
+"main+split+mosaic+mosaic_out"), or any file holding an older copy of the
+module (run with its defaults), e.g. one taken from git before the device
+call (before session 19 any option also set the passes and the output
+kernel to Triton unless +mosaic / +mosaic_out were given):
 
   git show 8206e6d:pallas_kernels/linear_attention/kda_pallas.py \
       > /tmp/kda_8206e6d.py
@@ -38,6 +39,7 @@ its milliseconds mean nothing.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -53,10 +55,11 @@ from experiments.timing import median_ms
 
 _VERSIONS = flags.DEFINE_list(
     "versions", ["kda:main", "kda:main+split", "gla:main", "gla:main+split"],
-    "op:version entries: op kda|gla; version main with options +split, "
-    "+mosaic, +mosaic_out, +tf32x3 (kda), +slices (kda), one of +held, "
-    "+stream (kda), +pull, or a path to a .py copy of the op's kernel "
-    "module.")
+    "op:version entries: op kda|gla; version main (the module's defaults) "
+    "with options, each overriding one setting: +split, one of +mosaic, "
+    "+triton (state passes), +mosaic_out, +tf32x3 (kda), +slices (kda), "
+    "one of +held, +stream (kda), +pull (grad_k order); or a path to a .py "
+    "copy of the op's kernel module.")
 _SHAPES = flags.DEFINE_list("shapes", ["1x32768", "8x8192"], "BxT shapes.")
 _ITERS = flags.DEFINE_integer("iters", 10, "Timed calls (median).")
 _OUT = flags.DEFINE_string("out", "/tmp/ab_kernels", "Output folder.")
@@ -66,7 +69,8 @@ _INTERPRET = flags.DEFINE_bool("interpret", False,
 G_MIN = -5.0
 OPS = ("kda", "gla")
 ORDERS = ("held", "stream", "pull")   # kda_pallas grad_k_order
-OPTIONS = ("split", "mosaic", "mosaic_out", "tf32x3", "slices") + ORDERS
+PASSES = ("mosaic", "triton")        # state_pass
+OPTIONS = ("split",) + PASSES + ("mosaic_out", "tf32x3", "slices") + ORDERS
 KDA_ONLY = ("tf32x3", "slices", "stream")   # GLA's grad_k: held, pull
 
 
@@ -89,10 +93,12 @@ def parse_versions(entries):
       raise app.UsageError(f"--versions: bad entry {entry!r}; "
                            f"{', '.join('+' + o for o in KDA_ONLY)} are kda "
                            "options")
-    if len(set(options) & set(ORDERS)) > 1:
-      raise app.UsageError(f"--versions: bad entry {entry!r}; "
-                           f"{', '.join('+' + o for o in ORDERS)} are grad_k "
-                           "orders: give one")
+    for group, what in ((ORDERS, "grad_k orders"),
+                        (PASSES, "state passes")):
+      if len(set(options) & set(group)) > 1:
+        raise app.UsageError(f"--versions: bad entry {entry!r}; "
+                             f"{', '.join('+' + o for o in group)} are "
+                             f"{what}: give one")
     if name != "main" and not os.path.isfile(name):
       raise app.UsageError(f"--versions: no such file {name!r} in {entry!r}")
     out.append((entry, op, name, frozenset(options)))
@@ -132,20 +138,20 @@ def jitted_fns(op, mod, options, interpret):
   kw = dict(scale=None, initial_state=None, chunk_size=64, g_min=G_MIN)
   if interpret:
     kw["interpret"] = True
-  if options:
-    order = next((o for o in ORDERS if o in options), None)
-    split = "split" in options
-    passes = "mosaic" if "mosaic" in options else "triton"
-    out = "mosaic" if "mosaic_out" in options else "triton"
-    if op == "kda":
-      kw.update(split_grad_k=split, state_pass=passes, output_kernel=out,
-                inverse_dot="tf32x3" if "tf32x3" in options else "ieee",
-                grad_k_order=order,
-                intra_order="slices" if "slices" in options else None)
-    else:
-      kw["tune"] = mod.Tuning(split_grad_k=split, state_pass=passes,
-                              output_kernel=out,
-                              **({"grad_k_order": order} if order else {}))
+  # Each option overrides the one setting it names; the rest stay the
+  # module's defaults.
+  named = {
+      "split_grad_k": True if "split" in options else None,
+      "state_pass": next((o for o in PASSES if o in options), None),
+      "output_kernel": "mosaic" if "mosaic_out" in options else None,
+      "inverse_dot": "tf32x3" if "tf32x3" in options else None,
+      "intra_order": "slices" if "slices" in options else None,
+      "grad_k_order": next((o for o in ORDERS if o in options), None)}
+  named = {key: value for key, value in named.items() if value is not None}
+  if op == "kda":
+    kw.update(named)
+  elif named:
+    kw["tune"] = dataclasses.replace(mod.DEFAULT_TUNING, **named)
   call = lambda d: impl(*[d[n] for n in names], **kw)[0]  # noqa: E731
 
   def fwd_bwd(x):

@@ -32,8 +32,10 @@ def _run(*args):
     (("experiments.profile_kda", "--configs=bounded:32:fused"), "--configs",
      "path:block_k[:split][:mosaic][:mosaic_out][:tf32x3]"),
     (("experiments.ab_kernels", "--versions=kda:v2"), "--versions",
-     "version main (with options +split, +mosaic, +mosaic_out, +tf32x3, "
-     "+slices, +held, +stream, +pull) or a path to a .py file"),
+     "version main (with options +split, +mosaic, +triton, +mosaic_out, "
+     "+tf32x3, +slices, +held, +stream, +pull) or a path to a .py file"),
+    (("experiments.ab_kernels", "--versions=kda:main+mosaic+triton"),
+     "--versions", "+mosaic, +triton are state passes: give one"),
     (("experiments.ab_kernels", "--versions=gla:main+stream"), "--versions",
      "+tf32x3, +slices, +stream are kda options"),
     (("experiments.ab_kernels", "--versions=kda:main+stream+pull"),

@@ -215,6 +215,17 @@ def _row_slice_operands(i, cols, q_ref, k_ref, g_ref, g_min, b_ref, qg_ref,
   b, c, b_end = _cumsum_tiles(g_ref, cols, i + 1, g_min)
   k_t = [k_ref[_rows(t), cols].astype(_F32) for t in range(i + 1)]
   q_i = q_ref[_rows(i), cols].astype(_F32)
+  _store_row_decays(i, cols, b, b_end, k_t, q_i, b_ref, qg_ref, kg_ref,
+                    ec_ref)
+  return b, c, k_t, q_i
+
+
+def _store_row_decays(i, cols, b, b_end, k_t, q_i, b_ref, qg_ref, kg_ref,
+                      ec_ref):
+  """Row tile i's decay stores of one K slice (`_row_slice_operands`): b
+  (b_ref, or None), q exp(b), and on the last row tile k exp(b_C - b) and
+  exp(b_C). b, k_t: tiles 0..i [16, w] fp32; b_end [w]: b at the last row
+  of tile i (b_C on the last); q_i [16, w] fp32."""
   if b_ref is not None:
     b_ref[_rows(i), cols] = b[i]
   qg_ref[_rows(i), cols] = (q_i * jnp.exp(b[i])).astype(qg_ref.dtype)
@@ -223,7 +234,6 @@ def _row_slice_operands(i, cols, q_ref, k_ref, g_ref, g_min, b_ref, qg_ref,
       kg_ref[_rows(t), cols] = (
           k_t[t] * jnp.exp(b_end[None, :] - b[t])).astype(kg_ref.dtype)
     ec_ref[cols] = jnp.exp(b_end)
-  return b, c, k_t, q_i
 
 
 def _k_slice(kk, bk):
@@ -538,7 +548,6 @@ def _pull_key_side_grads(row_terms, pairs, q_ref, k_ref, b_ref, g_ref,
                              b_ref[_rows(N_TILES - 1), :], 0.0), axis=0)
   row, col = _tile_iota()
   causal = row >= col
-  upper = jnp.where(col >= row, 1.0, 0.0).astype(_F32)
 
   def load(ref, t):
     return ref[_rows(t), :].astype(_F32)
@@ -617,17 +626,10 @@ def _pull_key_side_grads(row_terms, pairs, q_ref, k_ref, b_ref, g_ref,
         mix = part if mix is None else mix + part
       p_n = jnp.sum(pd * mix, axis=0)
       dk_neg, db_neg = dk_neg + p_n, db_neg + k_i * p_n
-    dq_ref[_rows(i), :] = dq_i.astype(dq_ref.dtype)
-    dk_ref[_rows(i), :] = (dk_i + dk_neg).astype(dk_ref.dtype)
-    # dg: the within-chunk reverse cumsum of dL/db plus d_end (which enters
-    # at the chunk's last row, so every row's sum holds it: `later` starts
-    # at d_end); clamp mask as in `_store_key_side_tile`.
-    dg_i = _dot(upper, db_i - db_neg) + later[None, :]
-    later = jnp.sum(jnp.where(tile_row == 0, dg_i, 0.0), axis=0)
-    if g_min is not None:
-      dg_i = jnp.where(g_ref[_rows(i), :] < g_min, 0.0, dg_i)
-    dg_ref[_rows(i), :] = dg_i
-    return later
+    # d_end enters at the chunk's last row, so every row's reverse sum
+    # holds it: `later` starts at d_end (and the store adds no d_end).
+    return _store_key_side_tile(i, dq_i, dk_i + dk_neg, db_i - db_neg, None,
+                                later, dq_ref, dk_ref, dg_ref, g_ref, g_min)
 
   jax.lax.fori_loop(0, N_TILES, row_tile, d_end)
 
@@ -638,9 +640,10 @@ def _store_key_side_tile(i, dq_i, dk_i, db_i, d_end, later, dq_ref, dk_ref,
   last first (i = 3, 2, 1, 0).
 
   dq_i, dk_i, db_i [16, w] fp32 (db = dL/db without the chunk-end term);
-  d_end [w] (added at the chunk's last row); later [w]: the sum of dL/db
-  over the tiles after i (None for the last tile). Returns it for tile
-  i - 1. dg is the within-chunk reverse cumsum of dL/db: inside a tile one
+  d_end [w] (added at the chunk's last row; None when `later` already
+  holds it, as in the pull order, where i may be traced); later [w]: the
+  sum of dL/db over the tiles after i (None for the last tile). Returns it
+  for tile i - 1. dg is the within-chunk reverse cumsum of dL/db: inside a tile one
   fp32 dot with the upper-triangular ones (row r sums rows r..15, each sum
   on its own, like XLA's windowed cumsum), plus `later` (row 0 of the
   previous tile's result, taken as a masked sum: exact). With g_min, dg is
@@ -652,7 +655,7 @@ def _store_key_side_tile(i, dq_i, dk_i, db_i, d_end, later, dq_ref, dk_ref,
   tile_row = jax.lax.broadcasted_iota(jnp.int32, dq_i.shape, 0)
   dq_ref[_rows(i), :] = dq_i.astype(dq_ref.dtype)
   dk_ref[_rows(i), :] = dk_i.astype(dk_ref.dtype)
-  if i == N_TILES - 1:
+  if d_end is not None and i == N_TILES - 1:
     db_i = db_i + jnp.where(tile_row == TILE - 1, d_end[None, :], 0.0)
   dg_i = _dot(upper, db_i)
   if later is not None:

@@ -193,7 +193,7 @@ from pallas_kernels.linear_attention.chunk_common import (
     _tile_iota, check_dims, check_g_min, _tile, _end_terms,
     _state_side_terms, _state_side_inputs, _row_slice_operands,
     _store_key_side_grads, _store_key_side_tile, _chunk_layout, _next_pow2,
-    _pull_key_side_grads)
+    _pull_key_side_grads, _store_row_decays)
 from pallas_kernels.linear_attention.reference import chunk_kda_ref
 # K slice width of the bounded path. Narrow slices bound the live [16, bk]
 # fp32 tiles: on an H200 (B1 T32768 H16 D128 bf16, experiments/profile_kda.py)
@@ -384,7 +384,7 @@ def _intra_scores_by_slice(q_ref, k_ref, g_ref, b_ref, qg_ref, kg_ref,
   Aqk (20 [16, 16] fp32 accumulators carried), where the "rows" order runs
   one loop over the slices per row tile and recomputes b of tiles 0..i
   (10 tile cumsums per slice instead of 4). Same products summed in the
-  same slice order, same stores (`_row_slice_operands`): bit-identical.
+  same slice order, same stores (`_store_row_decays`): bit-identical.
   Returns (lk, aqk): per row tile i, the i + 1 tiles j <= i (unmasked)."""
 
   def body(kk, acc):
@@ -395,17 +395,12 @@ def _intra_scores_by_slice(q_ref, k_ref, g_ref, b_ref, qg_ref, kg_ref,
     new_lk, new_aqk = [], []
     for i in range(N_TILES):
       q_i = q_ref[_rows(i), cols].astype(_F32)
-      if b_ref is not None:
-        b_ref[_rows(i), cols] = b[i]
-      qg_ref[_rows(i), cols] = (q_i * jnp.exp(b[i])).astype(qg_ref.dtype)
+      _store_row_decays(i, cols, b, b_end, k_t, q_i, b_ref, qg_ref, kg_ref,
+                        ec_ref)
       lk_s, aqk_s = _row_slice_scores(i, [k_t[i], q_i], k_t, b, c, causal,
                                       bounded, mm)
       new_lk.append(tuple(a + p for a, p in zip(lk_acc[i], lk_s)))
       new_aqk.append(tuple(a + p for a, p in zip(aqk_acc[i], aqk_s)))
-    for t in range(N_TILES):
-      kg_ref[_rows(t), cols] = (
-          k_t[t] * jnp.exp(b_end[None, :] - b[t])).astype(kg_ref.dtype)
-    ec_ref[cols] = jnp.exp(b_end)
     return tuple(new_lk), tuple(new_aqk)
 
   zeros = tuple(tuple(jnp.zeros((TILE, TILE), _F32) for _ in range(i + 1))

@@ -8,9 +8,11 @@ names ("main+split": the split backward, kda_pallas split_grad_k /
 gla_pallas Tuning.split_grad_k; "main+mosaic" / "main+triton": the state
 and dstate passes on Mosaic GPU / Triton, state_pass / Tuning.state_pass;
 "main+mosaic_out": the output kernel on Mosaic GPU, output_kernel /
-Tuning.output_kernel; "main+tf32x3": KDA's triangular inverse on 3xTF32
-MMAs, inverse_dot; "main+slices": KDA's intra kernel with its K slices
-outside the rows, intra_order; "main+held" / "main+stream" / "main+pull":
+Tuning.output_kernel; "main+ieee" / "+tf32x3" / "+tf32" / "+bf16x3": KDA's
+triangular inverse on FFMA or tensor-core MMAs, inverse_dot; "main+rows" /
+"main+slices": KDA's score loops with the K slices inside / outside the
+rows, intra_order; "main+one_intra": KDA's scores, inverse, W and U in one
+kernel, solve_apart=False; "main+held" / "main+stream" / "main+pull":
 the grad_k order, kda_pallas grad_k_order / gla_pallas
 Tuning.grad_k_order, no "stream" on GLA; any combination, e.g.
 "main+split+mosaic+mosaic_out"), or any file holding an older copy of the
@@ -57,7 +59,9 @@ _VERSIONS = flags.DEFINE_list(
     "versions", ["kda:main", "kda:main+split", "gla:main", "gla:main+split"],
     "op:version entries: op kda|gla; version main (the module's defaults) "
     "with options, each overriding one setting: +split, one of +mosaic, "
-    "+triton (state passes), +mosaic_out, +tf32x3 (kda), +slices (kda), "
+    "+triton (state passes), +mosaic_out, one of +ieee, +tf32x3, +tf32, "
+    "+bf16x3 (kda's inverse dots), one of +rows, +slices (kda's intra "
+    "order), +one_intra (kda: the intra work in one kernel), "
     "one of +held, +stream (kda), +pull (grad_k order); or a path to a .py "
     "copy of the op's kernel module.")
 _SHAPES = flags.DEFINE_list("shapes", ["1x32768", "8x8192"], "BxT shapes.")
@@ -70,8 +74,12 @@ G_MIN = -5.0
 OPS = ("kda", "gla")
 ORDERS = ("held", "stream", "pull")   # kda_pallas grad_k_order
 PASSES = ("mosaic", "triton")        # state_pass
-OPTIONS = ("split",) + PASSES + ("mosaic_out", "tf32x3", "slices") + ORDERS
-KDA_ONLY = ("tf32x3", "slices", "stream")   # GLA's grad_k: held, pull
+INVERSES = ("ieee", "tf32x3", "tf32", "bf16x3")   # kda_pallas inverse_dot
+INTRA = ("rows", "slices")                       # kda_pallas intra_order
+OPTIONS = (("split",) + PASSES + ("mosaic_out",) + INVERSES + INTRA
+           + ("one_intra",) + ORDERS)
+# GLA's grad_k: held, pull; one_intra: kda_pallas solve_apart=False.
+KDA_ONLY = INVERSES + INTRA + ("one_intra", "stream")
 
 
 def parse_versions(entries):
@@ -94,7 +102,9 @@ def parse_versions(entries):
                            f"{', '.join('+' + o for o in KDA_ONLY)} are kda "
                            "options")
     for group, what in ((ORDERS, "grad_k orders"),
-                        (PASSES, "state passes")):
+                        (PASSES, "state passes"),
+                        (INVERSES, "inverse dots"),
+                        (INTRA, "intra orders")):
       if len(set(options) & set(group)) > 1:
         raise app.UsageError(f"--versions: bad entry {entry!r}; "
                              f"{', '.join('+' + o for o in group)} are "
@@ -144,8 +154,9 @@ def jitted_fns(op, mod, options, interpret):
       "split_grad_k": True if "split" in options else None,
       "state_pass": next((o for o in PASSES if o in options), None),
       "output_kernel": "mosaic" if "mosaic_out" in options else None,
-      "inverse_dot": "tf32x3" if "tf32x3" in options else None,
-      "intra_order": "slices" if "slices" in options else None,
+      "inverse_dot": next((o for o in INVERSES if o in options), None),
+      "intra_order": next((o for o in INTRA if o in options), None),
+      "solve_apart": False if "one_intra" in options else None,
       "grad_k_order": next((o for o in ORDERS if o in options), None)}
   named = {key: value for key, value in named.items() if value is not None}
   if op == "kda":

@@ -47,7 +47,8 @@ _CONFIGS = flags.DEFINE_list("configs", ["bounded:128", "bounded:64",
                              "split_grad_k; mosaic: the state and dstate "
                              "passes on Mosaic GPU, state_pass='mosaic'; "
                              "mosaic_out: the output kernel on Mosaic GPU; "
-                             "tf32x3: inverse_dot='tf32x3').")
+                             "tf32x3: inverse_dot='tf32x3'; else the module's "
+                             "INVERSE_DOT).")
 _PASS_BV = flags.DEFINE_list("pass_bv", ["0"],
                               "0: default; N: V block width of the "
                               "sequential state passes (BLOCK_V_PASS).")
@@ -94,13 +95,14 @@ def profile(x, bounded, block_k, iters, interpret=False, split=False,
   g_min = -5.0 if bounded else None   # the op's clamp, as kda_pallas runs it
   # grad_k's K slice as kda_pallas picks it (BLOCK_K_GRAD_K when bounded)
   grad_bk = kp.BLOCK_K_GRAD_K if bounded and kp.BLOCK_K_GRAD_K else block_k
-  inverse_dot = "tf32x3" if tf32x3 else "ieee"
+  inverse_dot = "tf32x3" if tf32x3 else kp.INVERSE_DOT
   f = jax.jit(functools.partial(kp._intra_call, lay=lay, bounded=bounded,  # pylint: disable=protected-access
                                 interpret=interpret, for_backward=True,
                                 g_min=g_min, inverse_dot=inverse_dot,
                                 intra_order=kp.INTRA_ORDER))
   c["prepare (XLA pads)"] = median_ms(
       lambda: prep(q, k, v, g, beta, s0), iters)
+  # Two kernels (scores, then the solve) when kp.SOLVE_APART.
   c["1 intra (b, Aqk, Lk, M, W, U)"] = median_ms(
       lambda: f(qp, kp_, gp, betap, vp), iters)
   w, u, aqk, qg, kg, ec, bp, m, lk = f(qp, kp_, gp, betap, vp)

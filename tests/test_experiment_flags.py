@@ -26,18 +26,20 @@ def _run(*args):
     (("experiments.bench_kernels", "--ours=bounded,fast"), "--ours",
      "bounded, unbounded"),
     (("experiments.profile_kda", "--set_warps=grad_q:8"), "--set_warps",
-     "intra, state, output, dv_intra, dstate, grad_v, grad_k"),
+     "intra, solve, state, output, dv_intra, dstate, grad_v, grad_k"),
     (("experiments.profile_kda", "--set_warps=grad_k:eight"), "--set_warps",
      "expected kernel:N"),
     (("experiments.profile_kda", "--configs=bounded:32:fused"), "--configs",
      "path:block_k[:split][:mosaic][:mosaic_out][:tf32x3]"),
     (("experiments.ab_kernels", "--versions=kda:v2"), "--versions",
      "version main (with options +split, +mosaic, +triton, +mosaic_out, "
-     "+tf32x3, +slices, +held, +stream, +pull) or a path to a .py file"),
+     "+ieee, +tf32x3, +tf32, +bf16x3, +rows, +slices, +one_intra, +held, "
+     "+stream, +pull) or a path to a .py file"),
     (("experiments.ab_kernels", "--versions=kda:main+mosaic+triton"),
      "--versions", "+mosaic, +triton are state passes: give one"),
     (("experiments.ab_kernels", "--versions=gla:main+stream"), "--versions",
-     "+tf32x3, +slices, +stream are kda options"),
+     "+ieee, +tf32x3, +tf32, +bf16x3, +rows, +slices, +one_intra, +stream "
+     "are kda options"),
     (("experiments.ab_kernels", "--versions=kda:main+stream+pull"),
      "--versions", "+held, +stream, +pull are grad_k orders: give one"),
     (("experiments.ab_kernels", "--versions=gla:/no/such/gla.py"),

@@ -17,6 +17,7 @@ Gradients (q, k, v, g, beta, initial state) are checked against jax.vjp of
 the chunked XLA reference with random cotangents for o and the final state.
 """
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -277,27 +278,34 @@ def test_grad_k_orders_match_reference(path, order, split, config_d):
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
-def test_intra_order_slices_is_bit_identical(path, config_d):
-  # intra_order="slices": the intra kernel's K slices (two at K=32,
-  # block_k=16) outside its row tiles; the same products summed in the
-  # same order, so o, the state and every gradient are the same bits.
+def test_intra_forms_are_bit_identical(path, config_d):
+  # The intra kernel as one kernel with its K slices (two at K=32,
+  # block_k=16) inside the row tiles ("rows", solve_apart=False), against
+  # intra_order="slices" (the slices outside the rows) and solve_apart=True
+  # (the inverse, W and U in a second kernel reading the stored Lk), each
+  # way: the same products summed in the same order, so o, the state and
+  # every gradient are the same bits.
   inputs, cts, _ = config_d
-  base = d_op(PATHS[path])
-  slices = lambda *a: kda_pallas(  # noqa: E731
-      *a[:5], scale=D_SCALE, initial_state=a[5], chunk_size=64,
-      g_min=PATHS[path], interpret=True, block_k=16, grad_k_block_k=16,
-      grad_k_order="held", intra_order="slices")
-  want_out, want = pallas_grads(base, inputs, cts)
-  got_out, got = pallas_grads(slices, inputs, cts)
-  for a, b in zip(list(got_out) + list(got), list(want_out) + list(want)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+  def op(order, apart):
+    return lambda *a: kda_pallas(
+        *a[:5], scale=D_SCALE, initial_state=a[5], chunk_size=64,
+        g_min=PATHS[path], interpret=True, block_k=16, grad_k_block_k=16,
+        grad_k_order="held", intra_order=order, solve_apart=apart)
+  want_out, want = pallas_grads(op("rows", False), inputs, cts)
+  assert all(np.isfinite(np.asarray(x)).all() for x in want)
+  for order, apart in (("slices", False), ("rows", True), ("slices", True)):
+    got_out, got = pallas_grads(op(order, apart), inputs, cts)
+    for a, b in zip(list(got_out) + list(got), list(want_out) + list(want)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.parametrize("knob,message", [
     ("split_grad_k", "split_grad_k must be None, True or False"),
     ("grad_k_order", r"grad_k_order must be one of \('held', 'stream', "
      r"'pull'\)"),
-    ("intra_order", r"intra_order must be one of \('rows', 'slices'\)")])
+    ("intra_order", r"intra_order must be one of \('rows', 'slices'\)"),
+    ("solve_apart", "solve_apart must be None, True or False")])
 def test_grad_k_knobs_are_checked(knob, message):
   q, k, v, g, beta, s0 = make_inputs(0, t=16)
   with pytest.raises(ValueError, match=message):
@@ -473,8 +481,10 @@ def test_auto_picks_the_unbounded_kernel_without_a_usable_g_min(monkeypatch):
   assert pick(g_min=None)[0] is ops._IMPLS["xla"]["kda"]
 
 
-def _intra_ttir(tmp_path, dtype, inverse_dot):
-  """The intra kernel's Triton IR of the forward, lowered for sm_90."""
+def _inverse_ttir(tmp_path, dtype, inverse_dot, solve_apart=True):
+  """The Triton IR of the forward's kernel that holds the triangular
+  inverse (kda_chunk_solve, or kda_chunk_intra when not solve_apart),
+  lowered for sm_90."""
   from experiments import kernel_resources  # pylint: disable=g-import-not-at-top
   spec = lambda *s, dt=dtype: jax.ShapeDtypeStruct(s, dt)  # noqa: E731
   args = (spec(1, 128, 2, 64), spec(1, 128, 2, 64), spec(1, 128, 2, 64),
@@ -482,27 +492,47 @@ def _intra_ttir(tmp_path, dtype, inverse_dot):
 
   def fwd(q, k, v, g, beta):
     return kda_pallas(q, k, v, g, beta, scale=None, initial_state=None,
-                      chunk_size=64, g_min=G_MIN, inverse_dot=inverse_dot)[0]
+                      chunk_size=64, g_min=G_MIN, inverse_dot=inverse_dot,
+                      solve_apart=solve_apart)[0]
   found = kernel_resources.capture_ttir(fwd, args, str(tmp_path))
-  [path] = [f for f, name, *_ in found if name == "kda_chunk_intra"]
+  kernel = "kda_chunk_solve" if solve_apart else "kda_chunk_intra"
+  [path] = [f for f, name, *_ in found if name == kernel]
   return open(path).read()
 
 
-def test_inverse_dot_tf32x3_reaches_the_gpu_lowering(tmp_path):
-  # inverse_dot="tf32x3": the triangular inverse's fp32 dots lower to
-  # Triton's 3xTF32 dots for bf16 inputs; fp32 inputs keep IEEE (their
-  # contract), as does "ieee". (Interpret mode always runs IEEE: the CPU has
-  # no TF32, so its numbers are checked on a card, results/kernels.md.)
-  assert "tf32x3" in _intra_ttir(tmp_path / "a", jnp.bfloat16, "tf32x3")
-  assert "tf32x3" not in _intra_ttir(tmp_path / "b", jnp.bfloat16, "ieee")
-  assert "tf32x3" not in _intra_ttir(tmp_path / "c", jnp.float32, "tf32x3")
+def _f32_dot_precisions(ttir):
+  """The input precisions of the tt.dot ops on fp32 operands in `ttir`
+  (the triangular inverse's; "ieee" where none is printed, the default)."""
+  found = re.findall(r"tt\.dot [^:\n]*?(?:inputPrecision = (\w+) )?: "
+                     r"tensor<\w+xf32>", ttir)
+  return {p or "ieee" for p in found}
+
+
+def test_inverse_dot_reaches_the_gpu_lowering(tmp_path):
+  # inverse_dot picks the triangular inverse's fp32 dots for bf16 inputs:
+  # Triton's IEEE, TF32 or 3xTF32 input precision, or three bf16 dots per
+  # product (bf16x3: no fp32 dot left); fp32 inputs keep IEEE (their
+  # contract). (Interpret mode always runs IEEE: the CPU has no TF32, so
+  # their numbers are checked on a card, results/kernels.md.)
+  bf, f32 = jnp.bfloat16, jnp.float32
+  prec = lambda name, *a: _f32_dot_precisions(  # noqa: E731
+      _inverse_ttir(tmp_path / name, *a))
+  assert prec("a", bf, "tf32x3") == {"tf32x3"}
+  assert prec("b", bf, "tf32") == {"tf32"}
+  assert prec("c", bf, "ieee") == {"ieee"}
+  assert prec("d", f32, "tf32") == {"ieee"}
+  assert prec("e", bf, "tf32x3", False) == {"tf32x3"}   # one-kernel form
+  bf16x3 = _inverse_ttir(tmp_path / "f", bf, "bf16x3")
+  assert not _f32_dot_precisions(bf16x3)
+  assert bf16x3.count("tt.dot") > _inverse_ttir(
+      tmp_path / "g", bf, "tf32").count("tt.dot")
 
 
 def test_inverse_dot_must_be_known():
   q, k, v, g, beta, s0 = make_inputs(0, t=16)
   with pytest.raises(ValueError, match="inverse_dot must be one of"):
     kda_pallas(q, k, v, g, beta, scale=None, initial_state=s0, chunk_size=64,
-               g_min=G_MIN, interpret=True, inverse_dot="tf32")
+               g_min=G_MIN, interpret=True, inverse_dot="tf16")
 
 
 def _tf32(x):
@@ -523,12 +553,33 @@ def _dot_3xtf32(a, b, dims=((1,), (0,))):
   return dot(a_s, b_b) + dot(a_b, b_s) + dot(a_b, b_b)
 
 
-def test_inverse_tolerates_3xtf32_dots():
+def _dot_tf32(a, b, dims=((1,), (0,))):
+  """Triton's tf32 dot, emulated: tf32(a) tf32(b), fp32 accumulation."""
+  return jax.lax.dot_general(_tf32(a), _tf32(b), (dims, ((), ())),
+                             precision="highest",
+                             preferred_element_type=jnp.float32)
+
+
+def _dot_3xbf16(a, b, dims=((1,), (0,))):
+  """jax's BF16_BF16_F32_X3 on Triton, emulated: a_s b_b + a_b b_s +
+  a_b b_b with x_b = bf16(x), x_s = bf16(x - x_b), fp32 accumulation."""
+  bf = lambda x: x.astype(jnp.bfloat16).astype(jnp.float32)  # noqa: E731
+  a_b, b_b = bf(a), bf(b)
+  a_s, b_s = bf(a - a_b), bf(b - b_b)
+  dot = lambda x, y: jax.lax.dot_general(  # noqa: E731
+      x, y, (dims, ((), ())), precision="highest",
+      preferred_element_type=jnp.float32)
+  return dot(a_s, b_b) + dot(a_b, b_s) + dot(a_b, b_b)
+
+
+def test_inverse_accuracy_per_dot_form():
   # The intra kernel's block inverse (recursive doubling on the diagonal
-  # tiles, block forward substitution off it) with every fp32 dot on
-  # emulated 3xTF32 (inverse_dot="tf32x3" on the GPU) stays at fp32
-  # accuracy vs float64 on the hard case (near-identical keys, beta ~ 1,
-  # g ~ 0), as with IEEE dots.
+  # tiles, block forward substitution off it) with every fp32 dot emulated
+  # as each inverse_dot runs it on the GPU, vs float64 on the hard case
+  # (near-identical keys, beta ~ 1, g ~ 0): IEEE and 3xTF32 stay at fp32
+  # accuracy (3e-7), 3xbf16 at 1.6e-5, one TF32 pass (the default for bf16
+  # inputs) at 9e-4: under the bf16 rounding of M (3.9e-3) that the W, U
+  # and backward dots apply to it anyway.
   from pallas_kernels.linear_attention import kda_pallas as kp  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(11)
   k = rng.standard_normal((1, 64)) + 0.05 * rng.standard_normal((64, 64))
@@ -541,7 +592,8 @@ def test_inverse_tolerates_3xtf32_dots():
       np.arange(16), np.arange(16), indexing="ij"))
   lmat32 = jnp.asarray(lmat, jnp.float32)
   errs = {}
-  for name, dot in (("ieee", kp._dot), ("tf32x3", _dot_3xtf32)):
+  for name, dot in (("ieee", kp._dot), ("tf32x3", _dot_3xtf32),
+                    ("tf32", _dot_tf32), ("bf16x3", _dot_3xbf16)):
     mt = {}
     for i in range(4):
       mt = kp._inverse_row(i, [lmat32[16 * i:16 * i + 16, 16 * j:16 * j + 16]
@@ -551,3 +603,4 @@ def test_inverse_tolerates_3xtf32_dots():
       got[16 * i:16 * i + 16, 16 * j:16 * j + 16] = np.asarray(tile)
     errs[name] = np.abs(got - want).max() / np.abs(want).max()
   assert errs["ieee"] < 2e-6 and errs["tf32x3"] < 2e-6, errs
+  assert errs["bf16x3"] < 5e-5 and errs["tf32"] < 2e-3, errs

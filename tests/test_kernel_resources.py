@@ -18,7 +18,9 @@ def test_captures_every_kda_kernel_with_its_launch_parameters(tmp_path):
   except (ImportError, AttributeError) as e:  # private jax hooks moved
     pytest.skip(f"jax's Pallas Triton lowering hooks are not there: {e}")
   by_name = {name: (warps, stages) for _, name, warps, stages in found}
-  short = {"kda_chunk_intra": "intra", "kda_state_pass": "state",
+  # The intra work as two kernels (kda_pallas.SOLVE_APART, the default).
+  short = {"kda_chunk_scores": "intra", "kda_chunk_solve": "solve",
+           "kda_state_pass": "state",
            "kda_chunk_output": "output", "kda_chunk_dv_intra": "dv_intra",
            "kda_dstate_pass": "dstate", "kda_chunk_grad_v": "grad_v",
            "kda_chunk_grad_k": "grad_k"}
@@ -29,5 +31,6 @@ def test_captures_every_kda_kernel_with_its_launch_parameters(tmp_path):
   for path, name, _, _ in found:
     text = open(path).read()
     assert "tt.func" in text and name in text
-  intra = next(p for p, n, _, _ in found if n == "kda_chunk_intra")
-  assert "tt.dot" in open(intra).read()
+  for kernel in ("kda_chunk_scores", "kda_chunk_solve"):
+    path = next(p for p, n, _, _ in found if n == kernel)
+    assert "tt.dot" in open(path).read(), kernel

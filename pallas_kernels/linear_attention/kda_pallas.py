@@ -37,8 +37,10 @@ given, as in gla_pallas):
 The anchor is never later than a valid query row of its tile, so outputs are
 strictly causal even in a partly filled last tile.
 
-Triangular inverse (all dense 16x16 dots, fp32, Precision.HIGHEST so that fp32
-operands use IEEE fp32 on the GPU, not TF32):
+Triangular inverse (all dense 16x16 dots on fp32 tiles; their precision is
+INVERSE_DOT: one TF32 MMA per dot for bf16 inputs on the GPU, error ~1e-3
+relative, under the bf16 rounding M gets before its later dots; IEEE fp32
+for fp32 inputs and in interpret mode):
   * diagonal tiles by recursive doubling: X_1 = I and, for s = 1, 2, 4, 8,
     X_2s = X_s - X_s N_s X_s, where N_s keeps the entries of the strictly lower
     tile N that lie in the lower-left s x s block of each 2s x 2s diagonal
@@ -69,19 +71,24 @@ more: on an H200 moving them into the intra kernel took the state pass from
 
 Forward kernels (they read the caller's [B, T, H, D] layout, T padded to a
 multiple of 64; beta is moved to [B, H, T]):
-  1. `_intra_kernel`, grid (B, H, N), parallel: b, q exp(b), k exp(b_C - b),
-     exp(b_C); row tile by row tile, that row of Lk and Aqk summed over K
-     slices of `bk` columns in a fori_loop (the decayed key tiles are
-     shared), then that row of M;
-     stores Aqk [C, C] (and, for the backward, M [C, C] in the matmul dtype
-     and Lk [C, C] fp32) as dense lower-triangular matrices [B, H, T, C],
-     then W [C, K] (slice by slice) and U [C, V] (matmul dtype). Storing the
-     [C, C] matrices costs O(T C) memory, like fla's Akk / Aqk, and turns the
-     later uses into single dense dots; nothing is recomputed per V block.
-     (Splitting W, U into a kernel of their own, dense M dots, measured
-     slower on the H200: 7.5 + 0.5 ms against 5.4 ms for this fused kernel;
-     so did splitting off M, W and U, with the scores computed row tile by
-     row tile: 3.1 + 1.2 ms against 3.7 ms, results/kernels.md session 14.)
+  1. The intra work, grid (B, H, N), parallel, as two kernels
+     (SOLVE_APART, the default) or one (`_intra_kernel`):
+     1a. `_scores_kernel`: b, q exp(b), k exp(b_C - b), exp(b_C), and Lk
+         and Aqk, tile pair by tile pair summed over K slices of `bk`
+         columns in a fori_loop (the decayed key tiles are shared; the
+         slices outside the row tiles, INTRA_ORDER "slices", or inside);
+         stores Aqk [C, C] (matmul dtype) and Lk [C, C] (fp32) as dense
+         lower-triangular matrices [B, H, T, C];
+     1b. `_solve_kernel`: reads Lk, forms M row tile by row tile (stored in
+         the matmul dtype for the backward), then W [C, K] (slice by slice,
+         b recomputed from g: the same bits) and U [C, V] (matmul dtype).
+     `_intra_kernel` does both, each row of M right after that row of the
+     scores. Storing the [C, C] matrices costs O(T C) memory, like fla's
+     Akk / Aqk, and turns the later uses into single dense dots; nothing is
+     recomputed per V block. (In session 14 splitting measured slower on
+     the H200, before the K slices became a fori_loop: W, U apart 7.5 + 0.5
+     ms against 5.4; M, W, U apart 3.1 + 1.2 against 3.7. In session 20,
+     with spill-free halves, apart was faster: SOLVE_APART.)
      The K slices are a fori_loop, not unrolled: unrolled (slices x tile
      pairs) the kernel was ~11.4k lines of TTIR that took ptxas 111 s
      (bounded) and 324 s (unbounded) to compile and ran in 3.7 ms; the
@@ -171,7 +178,7 @@ The wrapper pads T with q=k=v=0, g=0, beta=0 (inert: L rows/columns vanish,
 V' = 0, dV' = 0, the state is unchanged) and K to a power of two with zero
 channels, only when needed, and slices back. Dots accumulate in fp32; with
 bf16 inputs the operands of the big dots are bf16 (W, U, V' are stored in
-bf16), while the inverse itself is always fp32.
+bf16), while the inverse itself works on fp32 tiles (INVERSE_DOT).
 """
 from __future__ import annotations
 
@@ -223,7 +230,9 @@ BLOCK_V_PASS = 16
 # The intra kernel with its K slices in a fori_loop (session 15), alone:
 #   bounded 2.92 / 2.35 / 4.31 ms at 2 / 4 / 8 warps; unbounded 5.96 / 6.47
 #   at 2 / 4.
-NUM_WARPS = dict(intra=4, state=8, output=4, dv_intra=2, dstate=8, grad_v=4,
+# intra: the one intra kernel, or SOLVE_APART's scores kernel; solve: its
+# solve kernel (8 warps for either was slower, session 20).
+NUM_WARPS = dict(intra=4, solve=4, state=8, output=4, dv_intra=2, dstate=8, grad_v=4,
                  grad_k=4, state_side=8)   # state_side: 129 regs, no
 # spill at 8 warps; 255 regs and 40 B of stack at 4 (kernel_resources).
 # The backward's contractions over V (dO S^T, dU' S^T, V' dH^T, sum_v dH S)
@@ -287,19 +296,52 @@ OUTPUT_KERNEL = "triton"
 # stack). fp32 inputs keep IEEE (the fp32 path's contract) and interpret
 # mode runs IEEE (the CPU has no TF32). H200, same process (session 17):
 # tf32x3 is SLOWER despite the fewer spills, fwd 4.47 vs 3.53 ms and
-# fwd+bwd 12.06 vs 10.88 ms at B1 T32768: "ieee".
-INVERSE_DOT = "ieee"
-INVERSE_DOTS = ("ieee", "tf32x3")
+# fwd+bwd 12.06 vs 10.88 ms at B1 T32768. Session 20 added "tf32" (one TF32
+# MMA per dot: what fla's solve_tril uses on the GPU) and "bf16x3" (three
+# bf16 MMAs, each operand split into a high and a low bf16 part). Inverse
+# error vs float64 on the hard case (near-identical keys, beta ~ 1; tests,
+# emulated): ieee 2.8e-7, tf32x3 3.1e-7, bf16x3 1.6e-5, tf32 9.1e-4, all
+# under the bf16 rounding (3.9e-3) that M gets before the W, U and backward
+# dots. H100, same process, SOLVE_APART, fwd+bwd ms at B8 T8192 / B1 T32768:
+# ieee 18.66 / 9.32, bf16x3 18.13 / 9.19, tf32 17.88 / 8.99 (max difference
+# of o and the gradients from ieee: 5.9e-5 bf16x3, 5.1e-4 tf32); with
+# INTRA_ORDER "slices": bf16x3 17.90 / 9.00, tf32 17.59 / 8.84. T=131072
+# bf16 vs a float64 recurrence with tf32: output 4.03e-3, final state
+# 2.64e-3, as with ieee in session 18. "tf32" (bf16 inputs on the GPU; fp32
+# inputs and interpret mode keep IEEE).
+INVERSE_DOT = "tf32"
+INVERSE_DOTS = ("ieee", "tf32x3", "tf32", "bf16x3")
+_INVERSE_ALGORITHMS = dict(
+    tf32x3=jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
+    tf32=jax.lax.DotAlgorithmPreset.TF32_TF32_F32,
+    bf16x3=jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3)
 # The intra kernel's score loops: "rows" (per row tile, a fori_loop over
 # the K slices) or "slices" (one fori_loop over the K slices, all rows
-# inside: b computed once per slice; `_intra_scores_by_slice`). Untimed
-# (built after session 19's lease): "rows". The intra kernel is 4.4 of the
-# forward's 6.9 ms at B8 T8192 on an H100, and the forward is 0.68x fla's.
-# Resource report (sm_90, K=V=128, bf16, bounded): rows 255 registers, 200
-# B stack, 85 / 41 LDL / STL, 6300 TTIR lines; slices 255, 560 B, 184 /
-# 179, 5649 lines (fewer scans, more spills: the 20 carried accumulators).
-INTRA_ORDER = "rows"
+# inside: b computed once per slice; `_intra_scores_by_slice`).
+# Resource report (sm_90, K=V=128, bf16, bounded, one intra kernel): rows
+# 255 registers, 200 B stack, 85 / 41 LDL / STL, 6300 TTIR lines; slices
+# 255, 560 B, 184 / 179, 5649 lines (fewer scans, more spills: the 20
+# carried accumulators). As SOLVE_APART's scores kernel: rows 214 / 0 B,
+# slices 255 / 296 B. Faster anyway (session 20, same process, fwd+bwd ms
+# at B8 T8192 / B1 T32768): one kernel, H200: rows 17.41 / 8.71, slices
+# 17.13 / 9.07; SOLVE_APART, H100: rows 18.66 / 9.32, slices 18.23 / 9.09;
+# and with tf32 inverse dots, H100: rows 18.11 / 9.18, slices 17.59 / 8.84.
+INTRA_ORDER = "slices"
 INTRA_ORDERS = ("rows", "slices")
+# The intra work as one kernel (False), or as two (True): the scores and
+# decay stores (`_scores_kernel`, which then stores Lk in the forward too),
+# then the inverse, W and U (`_solve_kernel`, reading Lk: 16 KB per chunk
+# and head more traffic). fla splits the same work over three kernels (the
+# diagonal tiles with their inverses, the rest of the inverse, W and U).
+# Without its inverse the one kernel took 5.33 instead of 5.97 ms of the
+# forward at B8 T8192 (H200, session 20, a timing-only copy). Resource
+# report (sm_90, K=V=128, bf16, bounded, rows, ieee): one kernel 255
+# registers, 200 B stack; apart: scores 214 / 0 B, solve 248 / 0 B (tf32:
+# 180 / 0 B). H100, same process (session 20), fwd / fwd+bwd ms at B8
+# T8192: one kernel 6.39 / 18.97, apart 6.10 / 18.66; B1 T32768: 3.25 / 9.44
+# and 3.16 / 9.32. The solve kernel at 8 warps (20.38 at B8) and the scores
+# at 8 (21.33) were slower. Bit-identical either way (tests).
+SOLVE_APART = True
 NUM_STAGES = 2
 
 __all__ = ["kda_pallas", "register", "GMinError", "G_MIN_LOWEST"]
@@ -311,11 +353,12 @@ def _params(kernel):
 
 def _f32_dot(inverse_dot):
   """The fp32 [16, 16] dot of the triangular inverse: IEEE (`_dot`, fp32
-  operands, Precision.HIGHEST) or 3xTF32 (DotAlgorithmPreset
-  TF32_TF32_F32_X3: Triton's tf32x3 input precision)."""
+  operands, Precision.HIGHEST) or a tensor-core form (INVERSE_DOTS: the
+  DotAlgorithmPreset of `_INVERSE_ALGORITHMS`, e.g. TF32_TF32_F32_X3 for
+  Triton's tf32x3 input precision)."""
   if inverse_dot == "ieee":
     return _dot
-  algorithm = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+  algorithm = _INVERSE_ALGORITHMS[inverse_dot]
 
   def dot(a, b, dims=_NN):
     return jax.lax.dot_general(a, b, (dims, ((), ())), precision=algorithm,
@@ -408,32 +451,25 @@ def _intra_scores_by_slice(q_ref, k_ref, g_ref, b_ref, qg_ref, kg_ref,
   return jax.lax.fori_loop(0, n_k, body, (zeros, zeros))
 
 
-def _intra_kernel(q_ref, k_ref, g_ref, beta_ref, v_ref, w_ref, u_ref,
-                  aqk_ref, qg_ref, kg_ref, ec_ref, *grad_refs, bk, bv,
-                  bounded, mm, g_min, inverse_dot="ieee", order="rows"):
-  # q_ref, k_ref, g_ref, w_ref, qg_ref, kg_ref [C, Kp]; beta_ref [C];
-  # v_ref, u_ref [C, V]; aqk_ref [C, C] (matmul dtype); ec_ref [Kp];
-  # grad_refs: (b_ref [C, Kp] fp32, m_ref [C, C] matmul dtype, lk_ref
-  # [C, C] fp32) when the backward needs them, else (). g_min: the bounded
-  # path's clamp (g is clamped as it is loaded, _cumsum_tiles) or None.
-  # inverse_dot: the triangular inverse's fp32 dots (INVERSE_DOT); order:
-  # the score loops' order (INTRA_ORDER).
-  #
-  # Row tile by row tile: row i of Lk and Aqk is summed over the K slices in
-  # a fori_loop (not unrolled: unrolling the slices and the 10 tile pairs
-  # gave ~11k lines of TTIR and a 2-6 min ptxas compile), then row i of M
-  # follows by block forward substitution from the rows above. Only one
-  # row's 2 (i + 1) score tiles are live in the loop.
+def _score_rows(q_ref, k_ref, g_ref, b_ref, qg_ref, kg_ref, ec_ref, *, bk,
+                bounded, mm, g_min, order):
+  """Row tiles i = 0..3 of Lk and Aqk, in order: yields (i, lk, aqk), each
+  a list of the i + 1 [16, 16] fp32 tiles j <= i, masked (Lk strictly
+  lower, Aqk inclusive). On the way it stores the decayed operands (b when
+  b_ref is given, q exp(b), k exp(b_C - b), exp(b_C); `_store_row_decays`).
+
+  order "rows": per row tile, a fori_loop over the K slices (not unrolled:
+  unrolling the slices and the 10 tile pairs gave ~11k lines of TTIR and a
+  2-6 min ptxas compile); only one row's 2 (i + 1) score tiles are live in
+  the loop. "slices": `_intra_scores_by_slice`, all rows inside one loop.
+  """
   row, col = _tile_iota()
   causal, strict = row >= col, row > col
-  beta_t = _beta_tiles(beta_ref)
   n_k = k_ref.shape[-1] // bk
-  b_ref = grad_refs[0] if grad_refs else None
   if order == "slices":
     scores = _intra_scores_by_slice(q_ref, k_ref, g_ref, b_ref, qg_ref,
                                     kg_ref, ec_ref, bk, n_k, bounded, mm,
                                     g_min, causal)
-  mt = {}
   for i in range(N_TILES):
 
     def row_body(kk, acc, i=i):
@@ -457,15 +493,15 @@ def _intra_kernel(q_ref, k_ref, g_ref, beta_ref, v_ref, w_ref, u_ref,
     # where, not a product: masked overflow cannot leak.
     lk[i] = jnp.where(strict, lk[i], 0.0)
     aqk[i] = jnp.where(causal, aqk[i], 0.0)
-    _store_row(aqk_ref, i, aqk)
-    mt = _inverse_row(i, [beta_t[i] * l for l in lk], mt, row, col,
-                      _f32_dot(inverse_dot))
-    if grad_refs:
-      _, m_ref, lk_ref = grad_refs
-      _store_row(m_ref, i, [mt[i, j] for j in range(i + 1)])
-      _store_row(lk_ref, i, lk)
+    yield i, lk, aqk
 
-  # W = M (beta k exp(b)), slice by slice of K (b recomputed: same bits).
+
+def _store_w_u(mt, beta_t, k_ref, g_ref, v_ref, w_ref, u_ref, *, bk, bv, mm,
+               g_min):
+  """W = M (beta k exp(b)), slice by slice of K (b recomputed from g: the
+  same bits as the stored b), and U = M (beta v) in blocks of bv columns
+  (power-of-two loads), from the lower-triangular tiles mt of M."""
+
   def w_body(kk, carry):
     cols = _k_slice(kk, bk)
     b, _, _ = _cumsum_tiles(g_ref, cols, g_min=g_min)
@@ -474,14 +510,76 @@ def _intra_kernel(q_ref, k_ref, g_ref, beta_ref, v_ref, w_ref, u_ref,
         for j in range(N_TILES)], mm)
     return carry
 
-  jax.lax.fori_loop(0, n_k, w_body, 0)
-
-  # U = M (beta v), V in blocks of bv columns (power-of-two loads).
+  jax.lax.fori_loop(0, k_ref.shape[-1] // bk, w_body, 0)
   for cv in range(0, v_ref.shape[-1], bv):
     cols = pl.ds(cv, bv)
     _store_lower_product(u_ref, cols, mt, [
         beta_t[j] * v_ref[_rows(j), cols].astype(_F32)
         for j in range(N_TILES)], mm)
+
+
+def _intra_kernel(q_ref, k_ref, g_ref, beta_ref, v_ref, w_ref, u_ref,
+                  aqk_ref, qg_ref, kg_ref, ec_ref, *grad_refs, bk, bv,
+                  bounded, mm, g_min, inverse_dot="ieee", order="rows"):
+  # q_ref, k_ref, g_ref, w_ref, qg_ref, kg_ref [C, Kp]; beta_ref [C];
+  # v_ref, u_ref [C, V]; aqk_ref [C, C] (matmul dtype); ec_ref [Kp];
+  # grad_refs: (b_ref [C, Kp] fp32, m_ref [C, C] matmul dtype, lk_ref
+  # [C, C] fp32) when the backward needs them, else (). g_min: the bounded
+  # path's clamp (g is clamped as it is loaded, _cumsum_tiles) or None.
+  # inverse_dot: the triangular inverse's fp32 dots (INVERSE_DOT); order:
+  # the score loops' order (INTRA_ORDER).
+  #
+  # Row tile by row tile (`_score_rows`): row i of Lk and Aqk, then row i of
+  # M by block forward substitution from the rows above; then W and U.
+  row, col = _tile_iota()
+  beta_t = _beta_tiles(beta_ref)
+  b_ref = grad_refs[0] if grad_refs else None
+  mt = {}
+  for i, lk, aqk in _score_rows(q_ref, k_ref, g_ref, b_ref, qg_ref, kg_ref,
+                                ec_ref, bk=bk, bounded=bounded, mm=mm,
+                                g_min=g_min, order=order):
+    _store_row(aqk_ref, i, aqk)
+    mt = _inverse_row(i, [beta_t[i] * l for l in lk], mt, row, col,
+                      _f32_dot(inverse_dot))
+    if grad_refs:
+      _, m_ref, lk_ref = grad_refs
+      _store_row(m_ref, i, [mt[i, j] for j in range(i + 1)])
+      _store_row(lk_ref, i, lk)
+  _store_w_u(mt, beta_t, k_ref, g_ref, v_ref, w_ref, u_ref, bk=bk, bv=bv,
+             mm=mm, g_min=g_min)
+
+
+def _scores_kernel(q_ref, k_ref, g_ref, aqk_ref, qg_ref, kg_ref, ec_ref,
+                   lk_ref, *b_refs, bk, bounded, mm, g_min, order="rows"):
+  # SOLVE_APART's first kernel: the intra kernel's scores and decay stores,
+  # no inverse. q_ref, k_ref, g_ref, qg_ref, kg_ref [C, Kp]; aqk_ref [C, C]
+  # (matmul dtype); lk_ref [C, C] fp32; ec_ref [Kp]; b_refs: (b_ref [C, Kp]
+  # fp32,) when the backward needs it.
+  b_ref = b_refs[0] if b_refs else None
+  for i, lk, aqk in _score_rows(q_ref, k_ref, g_ref, b_ref, qg_ref, kg_ref,
+                                ec_ref, bk=bk, bounded=bounded, mm=mm,
+                                g_min=g_min, order=order):
+    _store_row(aqk_ref, i, aqk)
+    _store_row(lk_ref, i, lk)
+
+
+def _solve_kernel(lk_ref, k_ref, g_ref, beta_ref, v_ref, w_ref, u_ref,
+                  *m_refs, bk, bv, mm, g_min, inverse_dot="ieee"):
+  # SOLVE_APART's second kernel: M = (I + diag(beta) Lk)^-1 from the stored
+  # Lk, then W and U. lk_ref [C, C] fp32; k_ref, g_ref, w_ref [C, Kp];
+  # beta_ref [C]; v_ref, u_ref [C, V]; m_refs: (m_ref [C, C] matmul dtype,)
+  # when the backward needs it.
+  row, col = _tile_iota()
+  beta_t = _beta_tiles(beta_ref)
+  mt = {}
+  for i in range(N_TILES):
+    lk = [_tile(lk_ref, i, j) for j in range(i + 1)]
+    mt = _inverse_row(i, [beta_t[i] * l for l in lk], mt, row, col,
+                      _f32_dot(inverse_dot))
+    if m_refs:
+      _store_row(m_refs[0], i, [mt[i, j] for j in range(i + 1)])
+  _store_w_u(mt, beta_t, k_ref, g_ref, v_ref, w_ref, u_ref, bk=bk, bv=bv,
+             mm=mm, g_min=g_min)
 
 
 # ---------------------------------------------------------------------------
@@ -775,43 +873,89 @@ def _prepare(q, k, v, g, beta, s0, lay):
 
 def _intra_call(qp, kp_, gp, betap, vp, lay, bounded, interpret,
                 for_backward=False, g_min=None, inverse_dot="ieee",
-                intra_order="rows"):
-  """Kernel 1. Returns [W, U, Aqk, qg, kg, ec] (+ [b, M, Lk] with
-  for_backward): W, qg = q exp(b), kg = k exp(b_C - b) [B, Tp, H, Kp] and U
-  [B, Tp, H, V] in the matmul dtype; b [B, Tp, H, Kp] fp32 (the within-chunk
-  cumsum of g); ec = exp(b_C) [B, H, N, Kp] fp32; Aqk, M [B, H, Tp, C] in the
-  matmul dtype and Lk [B, H, Tp, C] fp32 (lower triangular [C, C] per
-  chunk). With g_min, g is clamped to it inside the kernel. inverse_dot
-  (INVERSE_DOT) applies to bf16 inputs on the GPU; fp32 inputs and
-  interpret mode use IEEE."""
+                intra_order="rows", solve_apart=None):
+  """Kernel 1 (or 1a and 1b, SOLVE_APART). Returns [W, U, Aqk, qg, kg, ec]
+  (+ [b, M, Lk] with for_backward): W, qg = q exp(b), kg = k exp(b_C - b)
+  [B, Tp, H, Kp] and U [B, Tp, H, V] in the matmul dtype; b [B, Tp, H, Kp]
+  fp32 (the within-chunk cumsum of g); ec = exp(b_C) [B, H, N, Kp] fp32;
+  Aqk, M [B, H, Tp, C] in the matmul dtype and Lk [B, H, Tp, C] fp32 (lower
+  triangular [C, C] per chunk). With g_min, g is clamped to it inside the
+  kernel. inverse_dot (INVERSE_DOT) applies to bf16 inputs on the GPU; fp32
+  inputs and interpret mode use IEEE. solve_apart (None: SOLVE_APART): the
+  inverse, W and U in a second kernel that reads the first one's Lk."""
   kp, dv, mm = lay["kp"], lay["dv"], lay["mm"]
+  solve_apart = SOLVE_APART if solve_apart is None else solve_apart
+  inverse_dot = "ieee" if interpret or mm == _F32 else inverse_dot
+  grid = (lay["bsz"], lay["h"], lay["n_chunks"])
   square = _shape_of(lay, "bsz", "h", "tp", "chunk", dtype=mm)
+  lk_shape = _shape_of(lay, "bsz", "h", "tp", "chunk")
   seq_k_mm = _shape_of(lay, "bsz", "tp", "h", "kp", dtype=mm)
+  seq_k = _shape_of(lay, "bsz", "tp", "h", "kp")
+  seq_v_mm = _shape_of(lay, "bsz", "tp", "h", "dv", dtype=mm)
   ec_spec = pl.BlockSpec((None, None, None, kp),
                          lambda b, h, n: (b, h, n, 0))
-  out_specs = [_chunk_spec(kp), _chunk_spec(dv), _square_spec(),
-               _chunk_spec(kp), _chunk_spec(kp), ec_spec]
-  out_shape = [seq_k_mm, _shape_of(lay, "bsz", "tp", "h", "dv", dtype=mm),
-               square, seq_k_mm, seq_k_mm,
-               _shape_of(lay, "bsz", "h", "n_chunks", "kp")]
+  ec_shape = _shape_of(lay, "bsz", "h", "n_chunks", "kp")
+  if not solve_apart:
+    out_specs = [_chunk_spec(kp), _chunk_spec(dv), _square_spec(),
+                 _chunk_spec(kp), _chunk_spec(kp), ec_spec]
+    out_shape = [seq_k_mm, seq_v_mm, square, seq_k_mm, seq_k_mm, ec_shape]
+    if for_backward:
+      out_specs += [_chunk_spec(kp), _square_spec(), _square_spec()]
+      out_shape += [seq_k, square, lk_shape]
+    return pl.pallas_call(
+        functools.partial(_intra_kernel, bk=lay["bk"], bv=lay["bv"],
+                          bounded=bounded, mm=mm, g_min=g_min,
+                          inverse_dot=inverse_dot, order=intra_order),
+        grid=grid,
+        in_specs=[_chunk_spec(kp), _chunk_spec(kp), _chunk_spec(kp),
+                  _beta_spec(), _chunk_spec(dv)],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=_params("intra"),
+        interpret=interpret,
+        name="kda_chunk_intra",
+    )(qp, kp_, gp, betap, vp)
+  # Kernel 1a: Aqk, qg, kg, ec, Lk (+ b).
+  out_specs = [_square_spec(), _chunk_spec(kp), _chunk_spec(kp), ec_spec,
+               _square_spec()]
+  out_shape = [square, seq_k_mm, seq_k_mm, ec_shape, lk_shape]
   if for_backward:
-    out_specs += [_chunk_spec(kp), _square_spec(), _square_spec()]
-    out_shape += [_shape_of(lay, "bsz", "tp", "h", "kp"), square,
-                  _shape_of(lay, "bsz", "h", "tp", "chunk")]
-  return pl.pallas_call(
-      functools.partial(_intra_kernel, bk=lay["bk"], bv=lay["bv"],
-                        bounded=bounded, mm=mm, g_min=g_min,
-                        inverse_dot=("ieee" if interpret or mm == _F32
-                                     else inverse_dot), order=intra_order),
-      grid=(lay["bsz"], lay["h"], lay["n_chunks"]),
-      in_specs=[_chunk_spec(kp), _chunk_spec(kp), _chunk_spec(kp),
-                _beta_spec(), _chunk_spec(dv)],
+    out_specs.append(_chunk_spec(kp))
+    out_shape.append(seq_k)
+  scores = pl.pallas_call(
+      functools.partial(_scores_kernel, bk=lay["bk"], bounded=bounded,
+                        mm=mm, g_min=g_min, order=intra_order),
+      grid=grid,
+      in_specs=[_chunk_spec(kp)] * 3,
       out_specs=out_specs,
       out_shape=out_shape,
       compiler_params=_params("intra"),
       interpret=interpret,
-      name="kda_chunk_intra",
-  )(qp, kp_, gp, betap, vp)
+      name="kda_chunk_scores",
+  )(qp, kp_, gp)
+  aqk, qg, kg, ec, lk = scores[:5]
+  # Kernel 1b: M (+ stored), W, U.
+  out_specs = [_chunk_spec(kp), _chunk_spec(dv)]
+  out_shape = [seq_k_mm, seq_v_mm]
+  if for_backward:
+    out_specs.append(_square_spec())
+    out_shape.append(square)
+  solved = pl.pallas_call(
+      functools.partial(_solve_kernel, bk=lay["bk"], bv=lay["bv"], mm=mm,
+                        g_min=g_min, inverse_dot=inverse_dot),
+      grid=grid,
+      in_specs=[_square_spec(), _chunk_spec(kp), _chunk_spec(kp),
+                _beta_spec(), _chunk_spec(dv)],
+      out_specs=out_specs,
+      out_shape=out_shape,
+      compiler_params=_params("solve"),
+      interpret=interpret,
+      name="kda_chunk_solve",
+  )(lk, kp_, gp, betap, vp)
+  out = [solved[0], solved[1], aqk, qg, kg, ec]
+  if for_backward:
+    out += [scores[5], solved[2], lk]
+  return out
 
 
 def _state_call(w, u, kg, ec, s0p, lay, interpret):
@@ -970,13 +1114,13 @@ def _grad_k_call(qp, kp_, bp, betap, dop, v_new, du, da, dlk, states,
 
 
 _STATIC = ("scale", "block_k", "bounded", "interpret", "g_min", "state_pass",
-           "output_kernel", "inverse_dot", "intra_order")
+           "output_kernel", "inverse_dot", "intra_order", "solve_apart")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("for_backward",))
 def _kda_fwd_impl(q, k, v, g, beta, s0, *, scale, block_k, bounded,
                   interpret, g_min, state_pass, output_kernel, inverse_dot,
-                  intra_order, for_backward=False):
+                  intra_order, solve_apart, for_backward=False):
   """q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; s0 [B, H, K, V].
 
   The kernels read the caller's [B, T, H, D] layout (no transposes); beta is
@@ -986,12 +1130,13 @@ def _kda_fwd_impl(q, k, v, g, beta, s0, *, scale, block_k, bounded,
   the inputs). With g_min (a float), g is clamped to it inside the intra
   kernel; None: no clamp. state_pass, output_kernel: "triton" or
   "mosaic" (STATE_PASS, OUTPUT_KERNEL); inverse_dot: INVERSE_DOTS;
-  intra_order: INTRA_ORDERS.
+  intra_order: INTRA_ORDERS; solve_apart: SOLVE_APART.
   """
   lay = _layout(q, v, block_k)
   qp, kp_, vp, gp, betap, s0p = _prepare(q, k, v, g, beta, s0, lay)
   intra = _intra_call(qp, kp_, gp, betap, vp, lay, bounded, interpret,
-                      for_backward, g_min, inverse_dot, intra_order)
+                      for_backward, g_min, inverse_dot, intra_order,
+                      solve_apart)
   w, u, aqk, qg, kg, ec = intra[:6]
   states, v_new, s_final = _state_pass(w, u, kg, ec, s0p, lay, interpret,
                                        state_pass)
@@ -1007,12 +1152,12 @@ def _kda_fwd_impl(q, k, v, g, beta, s0, *, scale, block_k, bounded,
                    static_argnames=_STATIC + ("split", "order", "grad_bk"))
 def _kda_bwd_impl(q, k, v, beta, s0, intra, g, do, ds_final, *,
                   scale, block_k, bounded, interpret, g_min, state_pass,
-                  output_kernel, inverse_dot, intra_order, split, order,
-                  grad_bk):
+                  output_kernel, inverse_dot, intra_order, solve_apart, split,
+                  order, grad_bk):
   """(dq, dk, dv, dg, dbeta, ds0) given do [B,T,H,V], ds_final [B,H,K,V] and
   the forward's residuals (the intra kernel's outputs, and g [B,T,H,K] when
   g_min clamps it: dg is zero where g < g_min; else g is None)."""
-  del output_kernel, inverse_dot, intra_order  # the forward's options
+  del output_kernel, inverse_dot, intra_order, solve_apart  # forward's
   lay = _layout(q, v, block_k)
   t, tp, dk, kp, dv = (lay[n] for n in ("t", "tp", "dk", "kp", "dv"))
   qp, kp_, vp, betap, s0p = _prepare_inputs(q, k, v, beta, s0, lay)
@@ -1043,20 +1188,21 @@ def _kda_bwd_impl(q, k, v, beta, s0, intra, g, do, ds_final, *,
 
 
 @functools.partial(jax.custom_vjp,
-                   nondiff_argnums=tuple(range(6, 18)))
+                   nondiff_argnums=tuple(range(6, 19)))
 def _kda_pallas_vjp(q, k, v, g, beta, s0, scale, block_k, bounded, interpret,
                     g_min, state_pass, output_kernel, inverse_dot,
-                    intra_order, split, order, grad_bk):
+                    intra_order, solve_apart, split, order, grad_bk):
   del split, order, grad_bk  # the backward's options
   return _kda_fwd_impl(q, k, v, g, beta, s0, scale=scale, block_k=block_k,
                        bounded=bounded, interpret=interpret, g_min=g_min,
                        state_pass=state_pass, output_kernel=output_kernel,
-                       inverse_dot=inverse_dot, intra_order=intra_order)
+                       inverse_dot=inverse_dot, intra_order=intra_order,
+                       solve_apart=solve_apart)
 
 
 def _vjp_fwd(q, k, v, g, beta, s0, scale, block_k, bounded, interpret, g_min,
-             state_pass, output_kernel, inverse_dot, intra_order, split,
-             order, grad_bk):
+             state_pass, output_kernel, inverse_dot, intra_order, solve_apart,
+             split, order, grad_bk):
   del split, order, grad_bk  # the backward's options
   # The forward keeps what its intra kernel built (b, W, U, Aqk, M, Lk, qg,
   # kg, ec): the backward does not re-run that kernel (H200, B1 T32768 H16
@@ -1065,13 +1211,13 @@ def _vjp_fwd(q, k, v, g, beta, s0, scale, block_k, bounded, interpret, g_min,
       q, k, v, g, beta, s0, scale=scale, block_k=block_k, bounded=bounded,
       interpret=interpret, g_min=g_min, state_pass=state_pass,
       output_kernel=output_kernel, inverse_dot=inverse_dot,
-      intra_order=intra_order, for_backward=True)
+      intra_order=intra_order, solve_apart=solve_apart, for_backward=True)
   return out, (q, k, v, beta, s0, intra, None if g_min is None else g)
 
 
 def _vjp_bwd(scale, block_k, bounded, interpret, g_min, state_pass,
-             output_kernel, inverse_dot, intra_order, split, order, grad_bk,
-             res, cts):
+             output_kernel, inverse_dot, intra_order, solve_apart, split,
+             order, grad_bk, res, cts):
   q, k, v, beta, s0, intra, g = res
   do, ds_final = cts
   return _kda_bwd_impl(q, k, v, beta, s0, intra, g, do, ds_final,
@@ -1079,7 +1225,7 @@ def _vjp_bwd(scale, block_k, bounded, interpret, g_min, state_pass,
                        interpret=interpret, g_min=g_min,
                        state_pass=state_pass, output_kernel=output_kernel,
                        inverse_dot=inverse_dot, intra_order=intra_order,
-                       split=split, order=order, grad_bk=grad_bk)
+                       solve_apart=solve_apart, split=split, order=order, grad_bk=grad_bk)
 
 
 _kda_pallas_vjp.defvjp(_vjp_fwd, _vjp_bwd)
@@ -1099,7 +1245,7 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min,
                interpret=False, bounded=None, block_k=None,
                split_grad_k=None, state_pass=None, output_kernel=None,
                inverse_dot=None, grad_k_order=None, grad_k_block_k=None,
-               intra_order=None):
+               intra_order=None, solve_apart=None):
   """Chunked KDA, forward and backward as Pallas kernels (jax.custom_vjp).
 
   Args:
@@ -1119,6 +1265,8 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min,
       BLOCK_K_GRAD_K = 64 on the bounded path, block_k on the unbounded).
     intra_order: "rows" or "slices": the order of the intra kernel's score
       loops (default INTRA_ORDER; see there).
+    solve_apart: the intra kernel's triangular inverse, W and U in a kernel
+      of their own after the scores (default SOLVE_APART; see there).
     split_grad_k: run the backward's contractions over V in a kernel of
       their own before grad_k (default SPLIT_GRAD_K; an ablation knob until
       timed on a card, results/kernels.md session 16).
@@ -1128,9 +1276,9 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min,
       faster). "mosaic" needs bf16 inputs and K > 32.
     output_kernel: "triton" or "mosaic": the output kernel (default
       OUTPUT_KERNEL; "mosaic" needs bf16 inputs and K > 32).
-    inverse_dot: "ieee" or "tf32x3": the intra kernel's triangular inverse
-      on FFMA or on 3xTF32 tensor-core MMAs (default INVERSE_DOT; bf16
-      inputs on the GPU only, else IEEE).
+    inverse_dot: "ieee", "tf32x3", "tf32" or "bf16x3": the intra kernel's
+      triangular inverse on FFMA or on tensor-core MMAs (3xTF32, TF32, 3xbf16;
+      default INVERSE_DOT; bf16 inputs on the GPU only, else IEEE).
     grad_k_order: "held", "stream" or "pull": the order of grad_k's work on
       its row tiles (default GRAD_K_ORDER; see there).
   Returns:
@@ -1162,10 +1310,12 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min,
   # XLA passes over [B, T, H, K] fp32 (net ~1.1 GB less traffic at B1
   # T32768 H16 K128, grad_k's extra read of g counted; session 16, untimed).
   clamp = float(g_min) if bounded else None
+  for name, given in (("split_grad_k", split_grad_k),
+                      ("solve_apart", solve_apart)):
+    if given is not None and not isinstance(given, bool):
+      raise ValueError(f"{name} must be None, True or False, got {given!r}")
   split = SPLIT_GRAD_K if split_grad_k is None else split_grad_k
-  if not isinstance(split, bool):
-    raise ValueError(f"split_grad_k must be None, True or False, got "
-                     f"{split_grad_k!r}")
+  apart = SOLVE_APART if solve_apart is None else solve_apart
   order, passes, out_kernel, intra, inv = (
       _choice(name, given, default, allowed) for name, given, default, allowed
       in (("grad_k_order", grad_k_order, GRAD_K_ORDER, GRAD_K_ORDERS),
@@ -1187,7 +1337,8 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min,
   return _kda_pallas_vjp(q, k, v, g.astype(_F32), beta,
                          initial_state.astype(_F32), scale, int(block_k),
                          bool(bounded), bool(interpret), clamp, passes,
-                         out_kernel, inv, intra, split, order, grad_bk)
+                         out_kernel, inv, intra, apart, split, order,
+                         grad_bk)
 
 
 def register():

@@ -245,8 +245,8 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, backend="auto",
     g_min: None, or a python float < 0 promising g >= g_min (bounded decay).
     pallas_options: keyword options of the Pallas kernel (kda_pallas:
       state_pass, output_kernel, split_grad_k, grad_k_order, grad_k_block_k,
-      intra_order, inverse_dot, block_k, bounded), used when the call runs
-      it; ignored by the XLA oracle.
+      intra_order, solve_apart, inverse_dot, block_k, bounded), used when
+      the call runs it; ignored by the XLA oracle.
   Returns:
     o [B, T, H, V] in v.dtype, final state [B, H, K, V] fp32.
   """

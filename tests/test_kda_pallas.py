@@ -300,6 +300,33 @@ def test_intra_forms_are_bit_identical(path, config_d):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_score_groups_are_bit_identical(path, config_d, monkeypatch):
+  # SCORE_GROUPS: the scores kernel's row tiles split over 2 or 4 programs
+  # per chunk (a 4th grid axis), each recomputing b of its tiles 0..i and
+  # storing its own rows; the program with row 3 stores k exp(b_C - b) and
+  # exp(b_C). Same products in the same order: the same bits, in both score
+  # orders.
+  from pallas_kernels.linear_attention import kda_pallas as kp  # pylint: disable=g-import-not-at-top
+  inputs, cts, _ = config_d
+
+  def op(order):
+    return lambda *a: kda_pallas(
+        *a[:5], scale=D_SCALE, initial_state=a[5], chunk_size=64,
+        g_min=PATHS[path], interpret=True, block_k=16, grad_k_block_k=16,
+        grad_k_order="held", intra_order=order, solve_apart=True)
+  for order, n in (("rows", 4), ("slices", 2)):
+    monkeypatch.setattr(kp, "SCORE_GROUPS", kp.SCORE_GROUP_CHOICES[1])
+    jax.clear_caches()   # _intra_call reads SCORE_GROUPS when traced
+    want_out, want = pallas_grads(op(order), inputs, cts)
+    monkeypatch.setattr(kp, "SCORE_GROUPS", kp.SCORE_GROUP_CHOICES[n])
+    jax.clear_caches()
+    got_out, got = pallas_grads(op(order), inputs, cts)
+    for a, b in zip(list(got_out) + list(got), list(want_out) + list(want)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  jax.clear_caches()
+
+
 @pytest.mark.parametrize("knob,message", [
     ("split_grad_k", "split_grad_k must be None, True or False"),
     ("grad_k_order", r"grad_k_order must be one of \('held', 'stream', "
@@ -542,34 +569,35 @@ def _tf32(x):
   return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def _dot_3xtf32(a, b, dims=((1,), (0,))):
-  """Triton's tf32x3 dot, emulated: a b ~ a_s b_b + a_b b_s + a_b b_b with
-  x_b = tf32(x), x_s = tf32(x - x_b), fp32 accumulation."""
-  a_b, b_b = _tf32(a), _tf32(b)
-  a_s, b_s = _tf32(a - a_b), _tf32(b - b_b)
-  dot = lambda x, y: jax.lax.dot_general(  # noqa: E731
-      x, y, (dims, ((), ())), precision="highest",
-      preferred_element_type=jnp.float32)
-  return dot(a_s, b_b) + dot(a_b, b_s) + dot(a_b, b_b)
+def _bf16(x):
+  """fp32 rounded to bf16 (and back to fp32)."""
+  return x.astype(jnp.bfloat16).astype(jnp.float32)
 
 
-def _dot_tf32(a, b, dims=((1,), (0,))):
-  """Triton's tf32 dot, emulated: tf32(a) tf32(b), fp32 accumulation."""
-  return jax.lax.dot_general(_tf32(a), _tf32(b), (dims, ((), ())),
-                             precision="highest",
+def _exact_dot(x, y, dims):
+  """An fp32 dot at full precision (HIGHEST)."""
+  return jax.lax.dot_general(x, y, (dims, ((), ())), precision="highest",
                              preferred_element_type=jnp.float32)
 
 
-def _dot_3xbf16(a, b, dims=((1,), (0,))):
-  """jax's BF16_BF16_F32_X3 on Triton, emulated: a_s b_b + a_b b_s +
-  a_b b_b with x_b = bf16(x), x_s = bf16(x - x_b), fp32 accumulation."""
-  bf = lambda x: x.astype(jnp.bfloat16).astype(jnp.float32)  # noqa: E731
-  a_b, b_b = bf(a), bf(b)
-  a_s, b_s = bf(a - a_b), bf(b - b_b)
-  dot = lambda x, y: jax.lax.dot_general(  # noqa: E731
-      x, y, (dims, ((), ())), precision="highest",
-      preferred_element_type=jnp.float32)
-  return dot(a_s, b_b) + dot(a_b, b_s) + dot(a_b, b_b)
+def _split_dot(rnd, passes):
+  """An emulated tensor-core dot on operands rounded by `rnd`: one pass,
+  a b ~ a_b b_b, or three (Triton's tf32x3, jax's BF16_BF16_F32_X3),
+  a b ~ a_s b_b + a_b b_s + a_b b_b with x_b = rnd(x), x_s = rnd(x - x_b);
+  fp32 accumulation."""
+  def dot(a, b, dims=((1,), (0,))):
+    a_b, b_b = rnd(a), rnd(b)
+    if passes == 1:
+      return _exact_dot(a_b, b_b, dims)
+    a_s, b_s = rnd(a - a_b), rnd(b - b_b)
+    return (_exact_dot(a_s, b_b, dims) + _exact_dot(a_b, b_s, dims)
+            + _exact_dot(a_b, b_b, dims))
+  return dot
+
+
+_dot_3xtf32 = _split_dot(_tf32, 3)
+_dot_tf32 = _split_dot(_tf32, 1)
+_dot_3xbf16 = _split_dot(_bf16, 3)
 
 
 def test_inverse_accuracy_per_dot_form():

@@ -342,6 +342,19 @@ INTRA_ORDERS = ("rows", "slices")
 # and 3.16 / 9.32. The solve kernel at 8 warps (20.38 at B8) and the scores
 # at 8 (21.33) were slower. Bit-identical either way (tests).
 SOLVE_APART = True
+# The scores kernel's programs per chunk: the row tiles each one computes
+# (its grid gains a 4th axis over the groups when there are several; every
+# program recomputes b of tiles 0..its last row, and the one with row 3
+# stores k exp(b_C - b) and exp(b_C)). One group: all 4 rows (the default,
+# timed); ((0, 3), (1, 2)): two programs of 5 tile pairs each, ~half the
+# live accumulators; ((0,), (1,), (2,), (3,)): fla's split of its diagonal
+# kernel, unbalanced (1 to 4 tile pairs). Resource report (sm_90, K=V=128,
+# bf16, bounded, registers / stack): one group, slices 255 / 296 B, rows
+# 214 / 0; two groups, slices 233 / 0, rows 185 / 0; four, 176 / 0 either
+# order. Untimed (session 20, built after the lease): one group.
+SCORE_GROUPS = (tuple(range(N_TILES)),)
+SCORE_GROUP_CHOICES = {1: (tuple(range(N_TILES)),), 2: ((0, 3), (1, 2)),
+                       4: ((0,), (1,), (2,), (3,))}
 NUM_STAGES = 2
 
 __all__ = ["kda_pallas", "register", "GMinError", "G_MIN_LOWEST"]
@@ -420,7 +433,8 @@ def _store_lower_product(out_ref, cols, mt, rhs, mm):
 
 
 def _intra_scores_by_slice(q_ref, k_ref, g_ref, b_ref, qg_ref, kg_ref,
-                           ec_ref, bk, n_k, bounded, mm, g_min, causal):
+                           ec_ref, bk, n_k, bounded, mm, g_min, causal,
+                           rows=tuple(range(N_TILES))):
   """The intra kernel's score tiles with the K slices OUTSIDE the rows
   (INTRA_ORDER "slices"): one fori_loop over the slices, each computing b
   once for all 4 tiles and adding its part to all 10 tile pairs of Lk and
@@ -428,32 +442,36 @@ def _intra_scores_by_slice(q_ref, k_ref, g_ref, b_ref, qg_ref, kg_ref,
   one loop over the slices per row tile and recomputes b of tiles 0..i
   (10 tile cumsums per slice instead of 4). Same products summed in the
   same slice order, same stores (`_store_row_decays`): bit-identical.
-  Returns (lk, aqk): per row tile i, the i + 1 tiles j <= i (unmasked)."""
+  rows: the row tiles to compute (SCORE_GROUPS; b of tiles 0..max(rows)).
+  Returns (lk, aqk): per row tile in `rows`, the i + 1 tiles j <= i
+  (unmasked)."""
+  n_b = max(rows) + 1
 
   def body(kk, acc):
     cols = _k_slice(kk, bk)
-    b, c, b_end = _cumsum_tiles(g_ref, cols, N_TILES, g_min)
-    k_t = [k_ref[_rows(t), cols].astype(_F32) for t in range(N_TILES)]
+    b, c, b_end = _cumsum_tiles(g_ref, cols, n_b, g_min)
+    k_t = [k_ref[_rows(t), cols].astype(_F32) for t in range(n_b)]
     lk_acc, aqk_acc = acc
     new_lk, new_aqk = [], []
-    for i in range(N_TILES):
+    for r, i in enumerate(rows):
       q_i = q_ref[_rows(i), cols].astype(_F32)
       _store_row_decays(i, cols, b, b_end, k_t, q_i, b_ref, qg_ref, kg_ref,
                         ec_ref)
       lk_s, aqk_s = _row_slice_scores(i, [k_t[i], q_i], k_t, b, c, causal,
                                       bounded, mm)
-      new_lk.append(tuple(a + p for a, p in zip(lk_acc[i], lk_s)))
-      new_aqk.append(tuple(a + p for a, p in zip(aqk_acc[i], aqk_s)))
+      new_lk.append(tuple(a + p for a, p in zip(lk_acc[r], lk_s)))
+      new_aqk.append(tuple(a + p for a, p in zip(aqk_acc[r], aqk_s)))
     return tuple(new_lk), tuple(new_aqk)
 
   zeros = tuple(tuple(jnp.zeros((TILE, TILE), _F32) for _ in range(i + 1))
-                for i in range(N_TILES))
+                for i in rows)
   return jax.lax.fori_loop(0, n_k, body, (zeros, zeros))
 
 
 def _score_rows(q_ref, k_ref, g_ref, b_ref, qg_ref, kg_ref, ec_ref, *, bk,
-                bounded, mm, g_min, order):
-  """Row tiles i = 0..3 of Lk and Aqk, in order: yields (i, lk, aqk), each
+                bounded, mm, g_min, order, rows=tuple(range(N_TILES))):
+  """Row tiles i in `rows` (default 0..3) of Lk and Aqk, in order: yields
+  (i, lk, aqk), each
   a list of the i + 1 [16, 16] fp32 tiles j <= i, masked (Lk strictly
   lower, Aqk inclusive). On the way it stores the decayed operands (b when
   b_ref is given, q exp(b), k exp(b_C - b), exp(b_C); `_store_row_decays`).
@@ -469,8 +487,8 @@ def _score_rows(q_ref, k_ref, g_ref, b_ref, qg_ref, kg_ref, ec_ref, *, bk,
   if order == "slices":
     scores = _intra_scores_by_slice(q_ref, k_ref, g_ref, b_ref, qg_ref,
                                     kg_ref, ec_ref, bk, n_k, bounded, mm,
-                                    g_min, causal)
-  for i in range(N_TILES):
+                                    g_min, causal, rows)
+  for r, i in enumerate(rows):
 
     def row_body(kk, acc, i=i):
       cols = _k_slice(kk, bk)
@@ -485,7 +503,7 @@ def _score_rows(q_ref, k_ref, g_ref, b_ref, qg_ref, kg_ref, ec_ref, *, bk,
               tuple(a + p for a, p in zip(acc[1], aqk_s)))
 
     if order == "slices":
-      lk, aqk = scores[0][i], scores[1][i]
+      lk, aqk = scores[0][r], scores[1][r]
     else:
       zeros = tuple(jnp.zeros((TILE, TILE), _F32) for _ in range(i + 1))
       lk, aqk = jax.lax.fori_loop(0, n_k, row_body, (zeros, zeros))
@@ -550,17 +568,28 @@ def _intra_kernel(q_ref, k_ref, g_ref, beta_ref, v_ref, w_ref, u_ref,
 
 
 def _scores_kernel(q_ref, k_ref, g_ref, aqk_ref, qg_ref, kg_ref, ec_ref,
-                   lk_ref, *b_refs, bk, bounded, mm, g_min, order="rows"):
+                   lk_ref, *b_refs, bk, bounded, mm, g_min, order="rows",
+                   groups=(tuple(range(N_TILES)),)):
   # SOLVE_APART's first kernel: the intra kernel's scores and decay stores,
   # no inverse. q_ref, k_ref, g_ref, qg_ref, kg_ref [C, Kp]; aqk_ref [C, C]
   # (matmul dtype); lk_ref [C, C] fp32; ec_ref [Kp]; b_refs: (b_ref [C, Kp]
-  # fp32,) when the backward needs it.
+  # fp32,) when the backward needs it. groups (SCORE_GROUPS): the row tiles
+  # of each program along the grid's 4th axis (one group: no such axis).
   b_ref = b_refs[0] if b_refs else None
-  for i, lk, aqk in _score_rows(q_ref, k_ref, g_ref, b_ref, qg_ref, kg_ref,
-                                ec_ref, bk=bk, bounded=bounded, mm=mm,
-                                g_min=g_min, order=order):
-    _store_row(aqk_ref, i, aqk)
-    _store_row(lk_ref, i, lk)
+
+  def run(rows):
+    for i, lk, aqk in _score_rows(q_ref, k_ref, g_ref, b_ref, qg_ref, kg_ref,
+                                  ec_ref, bk=bk, bounded=bounded, mm=mm,
+                                  g_min=g_min, order=order, rows=rows):
+      _store_row(aqk_ref, i, aqk)
+      _store_row(lk_ref, i, lk)
+
+  if len(groups) == 1:
+    run(groups[0])
+    return
+  program = pl.program_id(3)
+  for p, rows in enumerate(groups):
+    pl.when(program == p)(functools.partial(run, rows))
 
 
 def _solve_kernel(lk_ref, k_ref, g_ref, beta_ref, v_ref, w_ref, u_ref,
@@ -893,7 +922,7 @@ def _intra_call(qp, kp_, gp, betap, vp, lay, bounded, interpret,
   seq_k = _shape_of(lay, "bsz", "tp", "h", "kp")
   seq_v_mm = _shape_of(lay, "bsz", "tp", "h", "dv", dtype=mm)
   ec_spec = pl.BlockSpec((None, None, None, kp),
-                         lambda b, h, n: (b, h, n, 0))
+                         lambda b, h, n, *_: (b, h, n, 0))
   ec_shape = _shape_of(lay, "bsz", "h", "n_chunks", "kp")
   if not solve_apart:
     out_specs = [_chunk_spec(kp), _chunk_spec(dv), _square_spec(),
@@ -922,10 +951,12 @@ def _intra_call(qp, kp_, gp, betap, vp, lay, bounded, interpret,
   if for_backward:
     out_specs.append(_chunk_spec(kp))
     out_shape.append(seq_k)
+  groups = SCORE_GROUPS
   scores = pl.pallas_call(
       functools.partial(_scores_kernel, bk=lay["bk"], bounded=bounded,
-                        mm=mm, g_min=g_min, order=intra_order),
-      grid=grid,
+                        mm=mm, g_min=g_min, order=intra_order,
+                        groups=groups),
+      grid=grid + ((len(groups),) if len(groups) > 1 else ()),
       in_specs=[_chunk_spec(kp)] * 3,
       out_specs=out_specs,
       out_shape=out_shape,

@@ -471,10 +471,10 @@ def _intra_scores_by_slice(q_ref, k_ref, g_ref, b_ref, qg_ref, kg_ref,
 def _score_rows(q_ref, k_ref, g_ref, b_ref, qg_ref, kg_ref, ec_ref, *, bk,
                 bounded, mm, g_min, order, rows=tuple(range(N_TILES))):
   """Row tiles i in `rows` (default 0..3) of Lk and Aqk, in order: yields
-  (i, lk, aqk), each
-  a list of the i + 1 [16, 16] fp32 tiles j <= i, masked (Lk strictly
-  lower, Aqk inclusive). On the way it stores the decayed operands (b when
-  b_ref is given, q exp(b), k exp(b_C - b), exp(b_C); `_store_row_decays`).
+  (i, lk, aqk), each a list of the i + 1 [16, 16] fp32 tiles j <= i,
+  masked (Lk strictly lower, Aqk inclusive). On the way it stores the
+  decayed operands of those rows (b when b_ref is given, q exp(b); with row
+  3, k exp(b_C - b) and exp(b_C); `_store_row_decays`).
 
   order "rows": per row tile, a fori_loop over the K slices (not unrolled:
   unrolling the slices and the 10 tile pairs gave ~11k lines of TTIR and a

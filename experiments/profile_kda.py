@@ -99,10 +99,11 @@ def profile(x, bounded, block_k, iters, interpret=False, split=False,
   f = jax.jit(functools.partial(kp._intra_call, lay=lay, bounded=bounded,  # pylint: disable=protected-access
                                 interpret=interpret, for_backward=True,
                                 g_min=g_min, inverse_dot=inverse_dot,
-                                intra_order=kp.INTRA_ORDER))
+                                intra_order=kp.INTRA_ORDER,
+                                solve_apart=kp.SOLVE_APART))
   c["prepare (XLA pads)"] = median_ms(
       lambda: prep(q, k, v, g, beta, s0), iters)
-  # Two kernels (scores, then the solve) when kp.SOLVE_APART.
+  # Two kernels (scores, then the solve) with kp.SOLVE_APART.
   c["1 intra (b, Aqk, Lk, M, W, U)"] = median_ms(
       lambda: f(qp, kp_, gp, betap, vp), iters)
   w, u, aqk, qg, kg, ec, bp, m, lk = f(qp, kp_, gp, betap, vp)

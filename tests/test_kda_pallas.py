@@ -212,12 +212,13 @@ D_SHAPE = dict(t=130, dk=32, dv=48)
 D_SCALE = 0.3
 
 
-def d_op(g_min, split_grad_k=False, grad_k_order="held"):
-  # block_k=16 everywhere (grad_k too): several K slices at K=32.
+def d_op(g_min, split_grad_k=False, grad_k_order="held", **options):
+  # block_k=16 everywhere (grad_k too): several K slices at K=32. options:
+  # further kda_pallas keywords (intra_order, solve_apart, ...).
   op = functools.partial(kda_pallas, scale=D_SCALE, chunk_size=64,
                          g_min=g_min, interpret=True, block_k=16,
                          grad_k_block_k=16, split_grad_k=split_grad_k,
-                         grad_k_order=grad_k_order)
+                         grad_k_order=grad_k_order, **options)
   return lambda q, k, v, g, beta, s0: op(q, k, v, g, beta, initial_state=s0)
 
 
@@ -288,10 +289,7 @@ def test_intra_forms_are_bit_identical(path, config_d):
   inputs, cts, _ = config_d
 
   def op(order, apart):
-    return lambda *a: kda_pallas(
-        *a[:5], scale=D_SCALE, initial_state=a[5], chunk_size=64,
-        g_min=PATHS[path], interpret=True, block_k=16, grad_k_block_k=16,
-        grad_k_order="held", intra_order=order, solve_apart=apart)
+    return d_op(PATHS[path], intra_order=order, solve_apart=apart)
   want_out, want = pallas_grads(op("rows", False), inputs, cts)
   assert all(np.isfinite(np.asarray(x)).all() for x in want)
   for order, apart in (("slices", False), ("rows", True), ("slices", True)):
@@ -311,10 +309,7 @@ def test_score_groups_are_bit_identical(path, config_d, monkeypatch):
   inputs, cts, _ = config_d
 
   def op(order):
-    return lambda *a: kda_pallas(
-        *a[:5], scale=D_SCALE, initial_state=a[5], chunk_size=64,
-        g_min=PATHS[path], interpret=True, block_k=16, grad_k_block_k=16,
-        grad_k_order="held", intra_order=order, solve_apart=True)
+    return d_op(PATHS[path], intra_order=order, solve_apart=True)
   for order, n in (("rows", 4), ("slices", 2)):
     monkeypatch.setattr(kp, "SCORE_GROUPS", kp.SCORE_GROUP_CHOICES[1])
     jax.clear_caches()   # _intra_call reads SCORE_GROUPS when traced

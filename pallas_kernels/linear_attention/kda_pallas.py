@@ -411,6 +411,16 @@ def _inverse_row(i, lt_row, mt, row, col, dot=_dot):
   return mt
 
 
+def _solve_row(i, lk_row, beta_t, mt, row, col, dot, m_ref=None):
+  """Row tile i of M from row tile i of Lk (lk_row, tiles j <= i) and the
+  rows above (`_inverse_row` on L = diag(beta) Lk); stores it to m_ref
+  (the backward's residual) when given. Returns mt with the row added."""
+  mt = _inverse_row(i, [beta_t[i] * l for l in lk_row], mt, row, col, dot)
+  if m_ref is not None:
+    _store_row(m_ref, i, [mt[i, j] for j in range(i + 1)])
+  return mt
+
+
 def _beta_tiles(beta_ref):
   """beta of the chunk as 4 x [16, 1] fp32 columns."""
   return [jax.lax.broadcast_in_dim(beta_ref[_rows(t)].astype(_F32),
@@ -489,22 +499,22 @@ def _score_rows(q_ref, k_ref, g_ref, b_ref, qg_ref, kg_ref, ec_ref, *, bk,
                                     kg_ref, ec_ref, bk, n_k, bounded, mm,
                                     g_min, causal, rows)
   for r, i in enumerate(rows):
-
-    def row_body(kk, acc, i=i):
-      cols = _k_slice(kk, bk)
-      # b, and the decayed operands of the state passes and the output
-      # (q exp(b) here; k exp(b_C - b), exp(b_C) on the last row) stored.
-      b, c, k_t, q_i = _row_slice_operands(i, cols, q_ref, k_ref, g_ref,
-                                           g_min, b_ref, qg_ref, kg_ref,
-                                           ec_ref)
-      lk_s, aqk_s = _row_slice_scores(i, [k_t[i], q_i], k_t, b, c, causal,
-                                      bounded, mm)
-      return (tuple(a + p for a, p in zip(acc[0], lk_s)),
-              tuple(a + p for a, p in zip(acc[1], aqk_s)))
-
     if order == "slices":
       lk, aqk = scores[0][r], scores[1][r]
     else:
+
+      def row_body(kk, acc, i=i):
+        cols = _k_slice(kk, bk)
+        # b, and the decayed operands of the state passes and the output
+        # (q exp(b) here; k exp(b_C - b), exp(b_C) on the last row) stored.
+        b, c, k_t, q_i = _row_slice_operands(i, cols, q_ref, k_ref, g_ref,
+                                             g_min, b_ref, qg_ref, kg_ref,
+                                             ec_ref)
+        lk_s, aqk_s = _row_slice_scores(i, [k_t[i], q_i], k_t, b, c,
+                                        causal, bounded, mm)
+        return (tuple(a + p for a, p in zip(acc[0], lk_s)),
+                tuple(a + p for a, p in zip(acc[1], aqk_s)))
+
       zeros = tuple(jnp.zeros((TILE, TILE), _F32) for _ in range(i + 1))
       lk, aqk = jax.lax.fori_loop(0, n_k, row_body, (zeros, zeros))
     lk, aqk = list(lk), list(aqk)
@@ -551,17 +561,15 @@ def _intra_kernel(q_ref, k_ref, g_ref, beta_ref, v_ref, w_ref, u_ref,
   # M by block forward substitution from the rows above; then W and U.
   row, col = _tile_iota()
   beta_t = _beta_tiles(beta_ref)
-  b_ref = grad_refs[0] if grad_refs else None
+  b_ref, m_ref, lk_ref = grad_refs if grad_refs else (None, None, None)
   mt = {}
   for i, lk, aqk in _score_rows(q_ref, k_ref, g_ref, b_ref, qg_ref, kg_ref,
                                 ec_ref, bk=bk, bounded=bounded, mm=mm,
                                 g_min=g_min, order=order):
     _store_row(aqk_ref, i, aqk)
-    mt = _inverse_row(i, [beta_t[i] * l for l in lk], mt, row, col,
-                      _f32_dot(inverse_dot))
-    if grad_refs:
-      _, m_ref, lk_ref = grad_refs
-      _store_row(m_ref, i, [mt[i, j] for j in range(i + 1)])
+    mt = _solve_row(i, lk, beta_t, mt, row, col, _f32_dot(inverse_dot),
+                    m_ref)
+    if lk_ref is not None:
       _store_row(lk_ref, i, lk)
   _store_w_u(mt, beta_t, k_ref, g_ref, v_ref, w_ref, u_ref, bk=bk, bv=bv,
              mm=mm, g_min=g_min)
@@ -602,11 +610,9 @@ def _solve_kernel(lk_ref, k_ref, g_ref, beta_ref, v_ref, w_ref, u_ref,
   beta_t = _beta_tiles(beta_ref)
   mt = {}
   for i in range(N_TILES):
-    lk = [_tile(lk_ref, i, j) for j in range(i + 1)]
-    mt = _inverse_row(i, [beta_t[i] * l for l in lk], mt, row, col,
-                      _f32_dot(inverse_dot))
-    if m_refs:
-      _store_row(m_refs[0], i, [mt[i, j] for j in range(i + 1)])
+    mt = _solve_row(i, [_tile(lk_ref, i, j) for j in range(i + 1)], beta_t,
+                    mt, row, col, _f32_dot(inverse_dot),
+                    m_refs[0] if m_refs else None)
   _store_w_u(mt, beta_t, k_ref, g_ref, v_ref, w_ref, u_ref, bk=bk, bv=bv,
              mm=mm, g_min=g_min)
 
@@ -902,7 +908,7 @@ def _prepare(q, k, v, g, beta, s0, lay):
 
 def _intra_call(qp, kp_, gp, betap, vp, lay, bounded, interpret,
                 for_backward=False, g_min=None, inverse_dot="ieee",
-                intra_order="rows", solve_apart=None):
+                intra_order="rows", solve_apart=False):
   """Kernel 1 (or 1a and 1b, SOLVE_APART). Returns [W, U, Aqk, qg, kg, ec]
   (+ [b, M, Lk] with for_backward): W, qg = q exp(b), kg = k exp(b_C - b)
   [B, Tp, H, Kp] and U [B, Tp, H, V] in the matmul dtype; b [B, Tp, H, Kp]
@@ -910,10 +916,9 @@ def _intra_call(qp, kp_, gp, betap, vp, lay, bounded, interpret,
   Aqk, M [B, H, Tp, C] in the matmul dtype and Lk [B, H, Tp, C] fp32 (lower
   triangular [C, C] per chunk). With g_min, g is clamped to it inside the
   kernel. inverse_dot (INVERSE_DOT) applies to bf16 inputs on the GPU; fp32
-  inputs and interpret mode use IEEE. solve_apart (None: SOLVE_APART): the
+  inputs and interpret mode use IEEE. solve_apart (SOLVE_APART): the
   inverse, W and U in a second kernel that reads the first one's Lk."""
   kp, dv, mm = lay["kp"], lay["dv"], lay["mm"]
-  solve_apart = SOLVE_APART if solve_apart is None else solve_apart
   inverse_dot = "ieee" if interpret or mm == _F32 else inverse_dot
   grid = (lay["bsz"], lay["h"], lay["n_chunks"])
   square = _shape_of(lay, "bsz", "h", "tp", "chunk", dtype=mm)

@@ -21,11 +21,12 @@ B, T, H, K, V = 1, 100, 2, 16, 32
 G_MIN = -5.0
 PATHS = {"bounded": G_MIN, "unbounded": None}
 # Small blocks so that every grid axis has several blocks and the chunk
-# kernels loop over two K slices (K=32).
-SMALL = Tuning(block_k=16, pass_bk=16, pass_bv=16, bv=16, grad_bv=16)
+# kernels, grad_k included, loop over two K slices (K=32); grad_k in the
+# "held" order (the default is "pull": SMALL_PULL below).
+SMALL = Tuning(block_k=16, pass_bk=16, pass_bv=16, bv=16, grad_bv=16,
+               grad_k_order="held", grad_k_bk=16)
 # The same, with the backward's contractions over V in their own kernel.
-SMALL_SPLIT = Tuning(block_k=16, pass_bk=16, pass_bv=16, bv=16, grad_bv=16,
-                     split_grad_k=True, state_side_bk=16)
+SMALL_SPLIT = dataclasses.replace(SMALL, split_grad_k=True, state_side_bk=16)
 # Both, with grad_k in the "pull" order.
 SMALL_PULL = dataclasses.replace(SMALL, grad_k_order="pull")
 SMALL_SPLIT_PULL = dataclasses.replace(SMALL_SPLIT, grad_k_order="pull")

@@ -129,14 +129,15 @@ class Tuning:
   # grad_k's order on its row tiles: "held" (in order, every tile's results
   # held to the end) or "pull" (last first in a fori_loop, each tile forming
   # all of its own gradients: chunk_common._pull_key_side_grads), and its K
-  # slice width on the bounded path (None: block_k; the unbounded path
-  # keeps block_k, its [16, 16, w] pair tensors grow with w). KDA's grad_k,
+  # slice width (None: GRAD_K_BK_BOUNDED on the bounded path and block_k on
+  # the unbounded one, whose [16, 16, w] pair tensors grow with w; a value
+  # applies to both paths, as kda_pallas's grad_k_block_k). KDA's grad_k,
   # pull at 64 against held at 32, went 21.1 -> 19.2 ms fwd+bwd at B8 T8192
   # and 10.6 -> 9.8 at B1 T32768 (H100, session 19). GLA's, same process
   # (H200, session 20, ab_kernels, fwd+bwd ms at B8 T8192 / B1 T32768):
   # held w=32 12.26 / 6.59, pull w=32 11.76 / 5.92, pull w=64 11.18 / 5.71.
   grad_k_order: str = "pull"
-  grad_k_bk: int | None = 64
+  grad_k_bk: int | None = None
   # The state and dstate passes as Triton ("triton") or Mosaic GPU
   # ("mosaic": wgmma + TMA, state_mosaic.py, blocks pass_bk x pass_bv; bf16,
   # K >= 64) kernels; "auto": Mosaic on a GPU where it applies. H200 B1
@@ -150,6 +151,7 @@ class Tuning:
     return _compiler_params(getattr(self, f"{kernel}_warps"), self.num_stages)
 
 
+GRAD_K_BK_BOUNDED = 64   # Tuning.grad_k_bk=None on the bounded path
 DEFAULT_TUNING = Tuning()
 GRAD_K_ORDERS = ("held", "pull")
 
@@ -444,8 +446,11 @@ def _grad_k_call(qp, kp_, bp, gp, dop, vp, da, states, dstates, lay, scale,
   over V run first in chunk_common's state-side kernel."""
   if g_min is None:
     gp = bp   # a placeholder: the kernel reads g only with g_min
-  if tune.grad_k_bk is not None and bounded:
-    lay = dict(lay, bk=min(lay["kp"], tune.grad_k_bk))
+  grad_bk = tune.grad_k_bk
+  if grad_bk is None and bounded:
+    grad_bk = GRAD_K_BK_BOUNDED
+  if grad_bk is not None:
+    lay = dict(lay, bk=min(lay["kp"], grad_bk))
   bk, dv = lay["bk"], lay["dv"]
   kernel = (_grad_k_pull_kernel if tune.grad_k_order == "pull" else
             _grad_k_kernel)

@@ -10,9 +10,9 @@ at the anchor shapes (B, T, H, D) = (1, 32768, 16, 128) and (8, 8192, 16, 128)
 and a T sweep (B=1, H=16, D=128) up to 131072, all bf16 (g fp32). For each
 row it prints the achieved bandwidth against the memory floor (the bytes every
 implementation must move: q, k, v, do, o, dq, dk, dv in bf16, g and dg in
-fp32) and the ratios against the peer. At T=131072 (--check_t) it also checks
-the relative error of our bounded output and final state, per op, against a
-float64 recurrence (2 heads).
+fp32) and the ratios against the peer and the XLA reference. At T=131072
+(--check_t) it also checks the relative error of our bounded output and final
+state, per op, against a float64 recurrence (2 heads).
 
   PYTHONPATH=. python -m experiments.bench_kernels --out=/tmp/bench
   PYTHONPATH=. python -m experiments.bench_kernels --ops=gla --shapes=1x32768 \
@@ -266,6 +266,43 @@ def _shape_list():
   return shapes
 
 
+
+def _peer_name(row):
+  """The peer each of our rows is compared with (DESIGN 4's targets)."""
+  if row["op"] == "gla":
+    return "fla chunk_gla"
+  if row["impl"] == "ours unbounded":
+    return "fla chunk_kda"
+  return "fla chunk_kda safe_gate"
+
+
+def markdown_table(rows, title):
+  """The bench table: one line per row, with each of our rows' ratios.
+
+  "peer / ours" is the fla row of the same op and shape over ours (the
+  >= 1.0 target); "xla / ours" is the XLA reference's over ours (the >= 5
+  target), both as fwd / fwd+bwd, empty where that row was not timed.
+  Returns the lines.
+  """
+  def ratio(r, impl):
+    ref = [p for p in rows if (p["op"], p["B"], p["T"], p["impl"])
+           == (r["op"], r["B"], r["T"], impl)]
+    if not ref or not r["impl"].startswith("ours"):
+      return ""
+    return (f"{ref[0]['fwd_ms'] / r['fwd_ms']:.2f}x / "
+            f"{ref[0]['fwd_bwd_ms'] / r['fwd_bwd_ms']:.2f}x")
+
+  md = [title, "", "| op | B | T | impl | fwd ms | fwd+bwd ms | fwd+bwd GB/s "
+        "(floor) | peer / ours (fwd / fwd+bwd) | xla / ours (fwd / fwd+bwd) |",
+        "|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    md.append(f"| {r['op']} | {r['B']} | {r['T']} | {r['impl']} | "
+              f"{r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | "
+              f"{r['fwd_bwd_gbps']:.0f} | {ratio(r, _peer_name(r))} | "
+              f"{ratio(r, 'xla reference')} |")
+  return md
+
+
 def main(argv):
   del argv
   global H, D
@@ -375,21 +412,8 @@ def main(argv):
                             fwd_bwd_ms=ms[1]))
       print(f"tune {tune}: fwd {ms[0]:.3f} fwd+bwd {ms[1]:.3f}", flush=True)
 
-  md = [f"device: {dev.device_kind}, jax {jax.__version__}, H={H} D={D} bf16",
-        "", "| op | B | T | impl | fwd ms | fwd+bwd ms | fwd+bwd GB/s (floor) "
-        "| peer / ours (fwd / fwd+bwd) |", "|---|---|---|---|---|---|---|---|"]
-  for r in rows:
-    peer_name = "fla chunk_gla" if r["op"] == "gla" else "fla chunk_kda safe_gate"
-    if r["impl"] == "ours unbounded" and r["op"] == "kda":
-      peer_name = "fla chunk_kda"
-    ref = [p for p in rows if p["op"] == r["op"] and p["B"] == r["B"]
-           and p["T"] == r["T"] and p["impl"] == peer_name]
-    ratio = (f"{ref[0]['fwd_ms'] / r['fwd_ms']:.2f}x / "
-             f"{ref[0]['fwd_bwd_ms'] / r['fwd_bwd_ms']:.2f}x" if ref
-             and r["impl"].startswith("ours") else "")
-    md.append(f"| {r['op']} | {r['B']} | {r['T']} | {r['impl']} | "
-              f"{r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | "
-              f"{r['fwd_bwd_gbps']:.0f} | {ratio} |")
+  md = markdown_table(rows, f"device: {dev.device_kind}, jax "
+                      f"{jax.__version__}, H={H} D={D} bf16")
   for op, (err_o, err_s) in acc.items():
     md += ["", f"{op} bounded, bf16, T={_CHECK_T.value}: relative error vs a "
            f"float64 recurrence (2 heads): output {err_o:.3e}, final state "

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import bench_table
 from experiments import float64_check
 from experiments.timing import median_ms
 from pallas_kernels.linear_attention import ops
@@ -41,12 +42,16 @@ _OUT = flags.DEFINE_string("out", "/tmp/bench_kernels", "Output folder.")
 _OPS = flags.DEFINE_list("ops", ["gla", "kda"], "Ops to time: gla, kda.")
 _SHAPES = flags.DEFINE_list("shapes", ["1x32768", "8x8192"],
                             "Anchor shapes BxT (H=16, D=128).")
-_T_SWEEP = flags.DEFINE_list("t_sweep", ["8192", "65536", "131072"],
+_T_SWEEP = flags.DEFINE_list("t_sweep", ["2048", "8192", "65536", "131072"],
                              "Extra T values at B=1 (32768 is an anchor).")
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed iterations (median).")
-_XLA_MAX = flags.DEFINE_integer("xla_max_tokens", 8192,
-                                "Time the XLA oracle only up to B*T tokens "
-                                "(its [B,H,N,C,C,K] intermediate is O(T*C*K)).")
+# GLA's reference at B1 T8192 compiled past a 7-minute device call on an H200
+# (session 18: XLA's "very slow compile" of its pair-score reduce fusion);
+# KDA's compiled and ran there (37.5 ms fwd+bwd).
+_XLA_MAX = flags.DEFINE_list(
+    "xla_max_tokens", ["kda:8192", "gla:2048"],
+    "Per op, op:N: time the XLA oracle only at shapes of up to N = B*T tokens "
+    "(its [B,H,N,C,C,K] intermediate is O(T*C*K)); an op left out gets none.")
 _CHECK_T = flags.DEFINE_integer("check_t", 131072,
                                 "T of the float64 accuracy check (0: off).")
 _TUNE_GRID = flags.DEFINE_bool("tune_grid", False,
@@ -267,40 +272,16 @@ def _shape_list():
 
 
 
-def _peer_name(row):
-  """The peer each of our rows is compared with (DESIGN 4's targets)."""
-  if row["op"] == "gla":
-    return "fla chunk_gla"
-  if row["impl"] == "ours unbounded":
-    return "fla chunk_kda"
-  return "fla chunk_kda safe_gate"
-
-
-def markdown_table(rows, title):
-  """The bench table: one line per row, with each of our rows' ratios.
-
-  "peer / ours" is the fla row of the same op and shape over ours (the
-  >= 1.0 target); "xla / ours" is the XLA reference's over ours (the >= 5
-  target), both as fwd / fwd+bwd, empty where that row was not timed.
-  Returns the lines.
-  """
-  def ratio(r, impl):
-    ref = [p for p in rows if (p["op"], p["B"], p["T"], p["impl"])
-           == (r["op"], r["B"], r["T"], impl)]
-    if not ref or not r["impl"].startswith("ours"):
-      return ""
-    return (f"{ref[0]['fwd_ms'] / r['fwd_ms']:.2f}x / "
-            f"{ref[0]['fwd_bwd_ms'] / r['fwd_bwd_ms']:.2f}x")
-
-  md = [title, "", "| op | B | T | impl | fwd ms | fwd+bwd ms | fwd+bwd GB/s "
-        "(floor) | peer / ours (fwd / fwd+bwd) | xla / ours (fwd / fwd+bwd) |",
-        "|---|---|---|---|---|---|---|---|---|"]
-  for r in rows:
-    md.append(f"| {r['op']} | {r['B']} | {r['T']} | {r['impl']} | "
-              f"{r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | "
-              f"{r['fwd_bwd_gbps']:.0f} | {ratio(r, _peer_name(r))} | "
-              f"{ratio(r, 'xla reference')} |")
-  return md
+def _xla_max_tokens(items):
+  """--xla_max_tokens ["kda:8192", ...] -> {op: tokens}."""
+  out = {}
+  for item in items:
+    op, _, n = item.partition(":")
+    if op not in ("gla", "kda") or not n.isdigit():
+      raise app.UsageError(f"--xla_max_tokens: bad item {item!r}; expected "
+                           "op:N with op one of gla, kda and N an integer")
+    out[op] = int(n)
+  return out
 
 
 def main(argv):
@@ -315,6 +296,7 @@ def main(argv):
   if bad:
     raise app.UsageError(f"--fla: unknown peer(s) {bad}; allowed values: "
                          f"{', '.join(_FLA_NAMES)}")
+  xla_max = _xla_max_tokens(_XLA_MAX.value)
   os.makedirs(_OUT.value, exist_ok=True)
   if _PEERS_ONLY.value:
     jax.config.update("jax_platforms", "cpu")  # inputs only; GPU for torch
@@ -365,7 +347,7 @@ def main(argv):
               fwd_only=op in _FWD_ONLY.value))
         except Exception as e:  # pylint: disable=broad-except
           print(f"{op} {impl} failed: {type(e).__name__}: {e}"[:2000])
-      if shape[0] * shape[1] <= _XLA_MAX.value and ours:
+      if shape[0] * shape[1] <= xla_max.get(op, 0) and ours:
         record(op, shape, "xla reference",
                time_jax(op, "xla", None, x, max(3, _ITERS.value // 4),
                         fwd_only=op in _FWD_ONLY.value))
@@ -412,8 +394,8 @@ def main(argv):
                             fwd_bwd_ms=ms[1]))
       print(f"tune {tune}: fwd {ms[0]:.3f} fwd+bwd {ms[1]:.3f}", flush=True)
 
-  md = markdown_table(rows, f"device: {dev.device_kind}, jax "
-                      f"{jax.__version__}, H={H} D={D} bf16")
+  md = bench_table.markdown_table(
+      rows, f"device: {dev.device_kind}, jax {jax.__version__}, H={H} D={D} bf16")
   for op, (err_o, err_s) in acc.items():
     md += ["", f"{op} bounded, bf16, T={_CHECK_T.value}: relative error vs a "
            f"float64 recurrence (2 heads): output {err_o:.3e}, final state "

@@ -1,6 +1,7 @@
-"""experiments/bench_kernels.markdown_table: each of our rows carries its
-ratios to the fla peer the targets name and to the XLA reference."""
-from experiments import bench_kernels
+"""experiments/bench_table.markdown_table (bench_kernels's table): each of our
+rows carries its ratios to the fla peer the targets name and to the XLA
+reference."""
+from experiments import bench_table
 
 
 def _row(op, impl, fwd, fb, b=1, t=8192):
@@ -22,7 +23,7 @@ def test_ratios_name_the_right_peer_and_the_xla_reference():
           _row("gla", "ours bounded", 2.0, 4.0),
           # another shape: no peer and no reference there
           _row("gla", "ours bounded", 5.0, 9.0, b=8)]
-  md = bench_kernels.markdown_table(rows, "title")
+  md = bench_table.markdown_table(rows, "title")
   assert md[0] == "title"
   body = {(c[0], c[1], c[3]): c for c in map(_cells, md[4:])}
   assert len(body) == len(rows)

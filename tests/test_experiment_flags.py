@@ -25,6 +25,8 @@ def _run(*args):
      "chunk_kda_safe_gate, chunk_kda, chunk_gla"),
     (("experiments.bench_kernels", "--ours=bounded,fast"), "--ours",
      "bounded, unbounded"),
+    (("experiments.bench_kernels", "--xla_max_tokens=gla:2k"),
+     "--xla_max_tokens", "op:N with op one of gla, kda"),
     (("experiments.profile_kda", "--set_warps=grad_q:8"), "--set_warps",
      "intra, solve, state, output, dv_intra, dstate, grad_v, grad_k"),
     (("experiments.profile_kda", "--set_warps=grad_k:eight"), "--set_warps",

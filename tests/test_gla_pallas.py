@@ -105,6 +105,23 @@ def test_gradients_fp32_match_reference(path):
                                atol=1e-4 * float(jnp.max(jnp.abs(b))))
 
 
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_largest_head_dims_values_and_gradients(path):
+  # K = V = 256, the largest head dims the op accepts, at the default
+  # tuning (fp32, an initial state, one partly filled chunk of two).
+  t = 70
+  q, k, v, g, s0 = make_inputs(4, t=t, dk=256, dv=256)
+  o, s = run_pallas(q, k, v, g, s0, g_min=PATHS[path])
+  o_ref, s_ref = naive_recurrent_gla(q, k, v, g, initial_state=s0)
+  assert rel_err(o, o_ref) < 1e-4 and rel_err(s, s_ref) < 1e-4
+  w = jnp.asarray(np.random.default_rng(5).standard_normal((B, t, H, 256)),
+                  jnp.float32)
+  got = grads_pallas(w, q, k, v, g, s0, g_min=PATHS[path])
+  want = grads_ref(w, q, k, v, g, s0)
+  for name, a, b in zip(("dq", "dk", "dv", "dg", "ds0"), got, want):
+    assert rel_err(a, b) < 1e-4, name
+
 @pytest.mark.parametrize(
     "tune", [SMALL, SMALL_SPLIT, SMALL_PULL, SMALL_SPLIT_PULL],
     ids=["fused", "split", "fused-pull", "split-pull"])

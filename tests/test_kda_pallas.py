@@ -206,6 +206,20 @@ def test_bf16_values_and_gradients(path):
   assert_grads_close(got, want, rel=2e-2)
 
 
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_largest_head_dims_values_and_gradients(path):
+  # K = V = 256, the largest head dims the op accepts, at its default
+  # blocks (fp32, an initial state, one partly filled chunk of two).
+  inputs = make_inputs(11, b=1, t=70, h=1, dk=256, dv=256)
+  cts = cotangents(12, inputs[2].shape, inputs[5].shape)
+  (o, s), got = pallas_grads(
+      lambda *a: run_kda(*a, g_min=PATHS[path]), inputs, cts)
+  o_ref, s_ref = naive_kda(*inputs[:5], initial_state=inputs[5])
+  assert_finite(o, s)
+  assert rel_err(o, o_ref) < 1e-4 and rel_err(s, s_ref) < 1e-4
+  assert_grads_close(got, ref_grads(*inputs, *cts), rel=1e-4)
+
 # Config D: K slices and V blocks in every kernel, both paths, values and
 # gradients (fp32).
 D_SHAPE = dict(t=130, dk=32, dv=48)

@@ -271,7 +271,6 @@ def _shape_list():
   return shapes
 
 
-
 def _xla_max_tokens(items):
   """--xla_max_tokens ["kda:8192", ...] -> {op: tokens}."""
   out = {}

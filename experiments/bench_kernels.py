@@ -394,7 +394,8 @@ def main(argv):
       print(f"tune {tune}: fwd {ms[0]:.3f} fwd+bwd {ms[1]:.3f}", flush=True)
 
   md = bench_table.markdown_table(
-      rows, f"device: {dev.device_kind}, jax {jax.__version__}, H={H} D={D} bf16")
+      rows, f"device: {dev.device_kind}, jax {jax.__version__}, H={H} D={D} "
+      "bf16")
   for op, (err_o, err_s) in acc.items():
     md += ["", f"{op} bounded, bf16, T={_CHECK_T.value}: relative error vs a "
            f"float64 recurrence (2 heads): output {err_o:.3e}, final state "

@@ -105,7 +105,6 @@ def test_gradients_fp32_match_reference(path):
                                atol=1e-4 * float(jnp.max(jnp.abs(b))))
 
 
-
 @pytest.mark.parametrize("path", sorted(PATHS))
 def test_largest_head_dims_values_and_gradients(path):
   # K = V = 256, the largest head dims the op accepts, at the default
@@ -121,6 +120,7 @@ def test_largest_head_dims_values_and_gradients(path):
   want = grads_ref(w, q, k, v, g, s0)
   for name, a, b in zip(("dq", "dk", "dv", "dg", "ds0"), got, want):
     assert rel_err(a, b) < 1e-4, name
+
 
 @pytest.mark.parametrize(
     "tune", [SMALL, SMALL_SPLIT, SMALL_PULL, SMALL_SPLIT_PULL],

@@ -206,7 +206,6 @@ def test_bf16_values_and_gradients(path):
   assert_grads_close(got, want, rel=2e-2)
 
 
-
 @pytest.mark.parametrize("path", sorted(PATHS))
 def test_largest_head_dims_values_and_gradients(path):
   # K = V = 256, the largest head dims the op accepts, at its default
@@ -219,6 +218,7 @@ def test_largest_head_dims_values_and_gradients(path):
   assert_finite(o, s)
   assert rel_err(o, o_ref) < 1e-4 and rel_err(s, s_ref) < 1e-4
   assert_grads_close(got, ref_grads(*inputs, *cts), rel=1e-4)
+
 
 # Config D: K slices and V blocks in every kernel, both paths, values and
 # gradients (fp32).

@@ -643,10 +643,10 @@ def _store_key_side_tile(i, dq_i, dk_i, db_i, d_end, later, dq_ref, dk_ref,
   d_end [w] (added at the chunk's last row; None when `later` already
   holds it, as in the pull order, where i may be traced); later [w]: the
   sum of dL/db over the tiles after i (None for the last tile). Returns it
-  for tile i - 1. dg is the within-chunk reverse cumsum of dL/db: inside a tile one
-  fp32 dot with the upper-triangular ones (row r sums rows r..15, each sum
-  on its own, like XLA's windowed cumsum), plus `later` (row 0 of the
-  previous tile's result, taken as a masked sum: exact). With g_min, dg is
+  for tile i - 1. dg is the within-chunk reverse cumsum of dL/db: inside a
+  tile one fp32 dot with the upper-triangular ones (row r sums rows r..15,
+  each sum on its own, like XLA's windowed cumsum), plus `later` (row 0 of
+  the previous tile's result, taken as a masked sum: exact). With g_min, dg is
   zero where g_ref (the caller's g) < g_min: the clamp's gradient, applied
   after the cumsum, which runs over the clamped g' the op was computed on.
   """

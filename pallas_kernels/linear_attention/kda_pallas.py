@@ -232,8 +232,8 @@ BLOCK_V_PASS = 16
 #   at 2 / 4.
 # intra: the one intra kernel, or SOLVE_APART's scores kernel; solve: its
 # solve kernel (8 warps for either was slower, session 20).
-NUM_WARPS = dict(intra=4, solve=4, state=8, output=4, dv_intra=2, dstate=8, grad_v=4,
-                 grad_k=4, state_side=8)   # state_side: 129 regs, no
+NUM_WARPS = dict(intra=4, solve=4, state=8, output=4, dv_intra=2, dstate=8,
+                 grad_v=4, grad_k=4, state_side=8)   # state_side: 129 regs, no
 # spill at 8 warps; 255 regs and 40 B of stack at 4 (kernel_resources).
 # The backward's contractions over V (dO S^T, dU' S^T, V' dH^T, sum_v dH S)
 # inside grad_k, per K slice in [16, V] tiles (False), or first in a kernel
@@ -1261,7 +1261,8 @@ def _vjp_bwd(scale, block_k, bounded, interpret, g_min, state_pass,
                        interpret=interpret, g_min=g_min,
                        state_pass=state_pass, output_kernel=output_kernel,
                        inverse_dot=inverse_dot, intra_order=intra_order,
-                       solve_apart=solve_apart, split=split, order=order, grad_bk=grad_bk)
+                       solve_apart=solve_apart, split=split, order=order,
+                       grad_bk=grad_bk)
 
 
 _kda_pallas_vjp.defvjp(_vjp_fwd, _vjp_bwd)

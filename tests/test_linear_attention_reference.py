@@ -134,6 +134,22 @@ def test_gradients_match_naive(op):
                                  err_msg=f"{decay} d{n}")
 
 
+def test_gla_reference_stores_its_pair_decays():
+  """The pair decays enter GLA's score reduce through an optimization barrier.
+
+  Fused into that reduce, XLA's GPU compile of it ran for minutes (6+ min at
+  B1 T2048, H100): the "xla" backend was unusable on a GPU. CPU tests cannot
+  time a GPU compile, so this pins the barrier in the forward and in the
+  gradient, where the cotangent's reduce reads the same decays.
+  """
+  q, k, v, g, _, s0 = make_inputs(5)
+  fwd = jax.make_jaxpr(chunk_gla_ref)(q, k, v, g, initial_state=s0)
+  loss = lambda *a: jnp.sum(chunk_gla_ref(*a)[0])  # noqa: E731
+  grad = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, g)
+  for name, jaxpr in (("forward", fwd), ("gradient", grad)):
+    assert "optimization_barrier" in str(jaxpr), name
+
+
 @pytest.mark.parametrize("op", ["gla", "kda"])
 def test_recurrent_step_matches_naive(op):
   q, k, v, g, beta, s0 = make_inputs(5)

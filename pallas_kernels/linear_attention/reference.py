@@ -257,7 +257,15 @@ def chunk_gla_ref(q, k, v, g, *, scale=None, initial_state=None,
 
   b_cum, eb, eb_last, eb_rest = _chunk_decays(gc)
   # Intra-chunk scores on position pairs (inclusive diagonal: S_t holds k_t v_t^T).
-  aqk = _pair_scores(qc, kc, _pair_decays(b_cum))
+  # The decays go in through an optimization barrier, so XLA stores them
+  # rather than fusing the exp into the score reduce. Fused, XLA's GPU
+  # compile of that one reduce ran for minutes: the forward jit alone had
+  # not compiled after 6 min at B1 T2048 (H100, session 22; over 7 min at
+  # T8192 in session 18). Stored, forward and gradient jits compile in 3-5 s.
+  # KDA's reference (two score reduces over the same decays) compiles in
+  # seconds as it is.
+  aqk = _pair_scores(qc, kc,
+                     jax.lax.optimization_barrier(_pair_decays(b_cum)))
   k_to_end = kc * eb_rest  # k_j decayed to the chunk's last row
 
   def step(s, xs):

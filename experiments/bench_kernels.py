@@ -277,9 +277,10 @@ def _xla_max_tokens(items):
   out = {}
   for item in items:
     op, _, n = item.partition(":")
-    if op not in ("gla", "kda") or not n.isdigit():
+    if op not in ops.OPS or not n.isdigit():
       raise app.UsageError(f"--xla_max_tokens: bad item {item!r}; expected "
-                           "op:N with op one of gla, kda and N an integer")
+                           f"op:N with op one of {', '.join(ops.OPS)} and N "
+                           "an integer")
     out[op] = int(n)
   return out
 

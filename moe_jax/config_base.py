@@ -79,7 +79,10 @@ def base_config() -> ml_collections.ConfigDict:
   moe.expert_latent_dim = 0      # 0 = off; L < d_model = latent experts
   moe.first_dense_layers = 0    # leading layers with a dense SwiGLU instead of the MoE
   moe.d_dense = 128
-  moe.dispatch = "ragged"       # ragged (sort + ragged_dot) | loop (reference)
+  moe.dispatch = "ragged"       # ragged (sort + grouped matmul) | loop (reference)
+  # auto (Pallas kernels on a GPU, ragged_dot elsewhere) | ragged_dot |
+  # pallas | interpret: how the ragged dispatch runs its grouped products.
+  moe.grouped_matmul = "auto"
   moe.balancing = "qb"          # qb | sign | aux | none
   moe.qb_ema = 0.0              # b <- ema*b + (1-ema)*b_new
   moe.qb_estimator = "exact"    # exact (top-k over tokens) | histogram (binned, shard-exact)

@@ -140,6 +140,18 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
              config.model.num_layers)
   _int_range(config, "model.moe.d_dense", 1)
   _one_of(config, "model.moe.dispatch", ("ragged", "loop"))
+  _one_of(config, "model.moe.grouped_matmul",
+          ("auto", "ragged_dot", "pallas", "interpret"))
+  if config.model.moe.grouped_matmul in ("pallas", "interpret"):
+    d_in = config.model.moe.expert_latent_dim or config.model.d_model
+    for name, dim in (("model.moe.d_expert", config.model.moe.d_expert),
+                      ("the expert input width (model.moe.expert_latent_dim "
+                       "or model.d_model)", d_in)):
+      if dim % 16:
+        raise ConfigError(
+            f"model.moe.grouped_matmul={config.model.moe.grouped_matmul!r} "
+            f"needs {name} a multiple of 16, got {dim}; allowed otherwise: "
+            "grouped_matmul='ragged_dot' or 'auto'")
   _one_of(config, "model.moe.balancing", ("qb", "sign", "aux", "none"))
   _float_range(config, "model.moe.qb_ema", 0.0, 1.0, hi_open=True)
   _one_of(config, "model.moe.qb_estimator", ("exact", "histogram"))

@@ -83,7 +83,8 @@ class HybridLM(nn.Module):
                route_scale=e.route_scale, aux_loss_coef=e.aux_loss_coef,
                qb_estimator=e.qb_estimator, qb_bins=e.qb_bins,
                qb_range=e.qb_range, expert_latent_dim=e.expert_latent_dim,
-               dispatch=e.dispatch, dtype=dtype, param_dtype=pdtype,
+               dispatch=e.dispatch, grouped_matmul=e.grouped_matmul,
+               dtype=dtype, param_dtype=pdtype,
                name=f"layer_{i}_moe")
 
   @nn.compact

@@ -66,6 +66,20 @@ def test_ragged_matches_loop_values_and_grads():
     assert np.any(np.asarray(g) != 0), path
 
 
+def test_pallas_grouped_matmul_matches_loop():
+  """The Pallas grouped matmul (interpreted) inside the MoE == the loop."""
+  x = _x(3)
+  pallas = _moe("ragged", d_expert=16, grouped_matmul="interpret")
+  loop = _moe("loop", d_expert=16)
+  params, state = init_moe(pallas, x)
+  ct = jax.random.normal(jax.random.PRNGKey(8), (B, T, D))
+  (_, y_p), (gp_p, gx_p) = _value_and_grad(pallas)(params, state, x, ct)
+  (_, y_l), (gp_l, gx_l) = _value_and_grad(loop)(params, state, x, ct)
+  np.testing.assert_allclose(y_p, y_l, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(gx_p, gx_l, rtol=1e-5, atol=1e-5)
+  chex.assert_trees_all_close(gp_p, gp_l, rtol=1e-5, atol=1e-5)
+
+
 def test_shared_expert_on_off():
   x = _x(1)
   with_shared = _moe(num_shared=2, d_shared=5)  # one SwiGLU of width 10

@@ -46,6 +46,13 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from moe_jax.layers import mesh_utils
+from pallas_kernels.grouped_matmul import gmm
+
+# How the experts' grouped products run: "ragged_dot" (jax.lax.ragged_dot,
+# XLA's lowering), "pallas" (pallas_kernels.grouped_matmul, GPU),
+# "interpret" (the same kernels in the Pallas interpreter, for CPU tests),
+# "auto" (pallas on a GPU, ragged_dot elsewhere).
+GROUPED_MATMULS = ("auto", "ragged_dot", "pallas", "interpret")
 
 # Axes that may split the token dims [B, T] (or [N]); the expert axis must be
 # one of them so that each token is dispatched by exactly one device.
@@ -53,7 +60,41 @@ _BATCH_AXES = ("data", "fsdp", "expert")
 _SEQ_AXES = ("context", "expert")
 
 
-def ragged_experts(x, idx, w, w_gate, w_up, w_down):
+def resolve_grouped_matmul(matmul: str, dims: Sequence[int] = ()) -> str:
+  """'auto' -> 'pallas' on a GPU when every dim is a multiple of 16 (the
+  kernels' limit), else 'ragged_dot'; other names unchanged."""
+  if matmul not in GROUPED_MATMULS:
+    raise ValueError(f"grouped_matmul must be one of {GROUPED_MATMULS}, got "
+                     f"{matmul!r}")
+  if matmul == "auto":
+    fits = all(d % 16 == 0 for d in dims)
+    return ("pallas" if jax.default_backend() == "gpu" and fits
+            else "ragged_dot")
+  return matmul
+
+
+def expert_ffn(xs, group_sizes, w_gate, w_up, w_down, matmul="ragged_dot"):
+  """SwiGLU of each row under its group's expert. xs [M, D] group-sorted.
+
+  The Pallas path runs gate and up as one product against [E, D, 2F] (xs
+  read once, one launch); ragged_dot keeps the two products.
+
+  Returns [M, D] in xs.dtype (zero rows past sum(group_sizes)).
+  """
+  matmul = resolve_grouped_matmul(matmul, w_gate.shape[1:])
+  if matmul == "ragged_dot":
+    h = (jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, group_sizes))
+         * jax.lax.ragged_dot(xs, w_up, group_sizes))            # [M, F]
+    return jax.lax.ragged_dot(h, w_down, group_sizes)
+  interpret = matmul == "interpret"
+  f = w_gate.shape[-1]
+  gu = gmm(xs, jnp.concatenate([w_gate, w_up], axis=-1), group_sizes,
+           interpret=interpret)                                  # [M, 2F]
+  h = jax.nn.silu(gu[:, :f]) * gu[:, f:]
+  return gmm(h, w_down, group_sizes, interpret=interpret)
+
+
+def ragged_experts(x, idx, w, w_gate, w_up, w_down, matmul="ragged_dot"):
   """Dropless grouped-matmul dispatch on one device.
 
   Expert ids equal to E (one past the last) are allowed and dropped: they sort
@@ -65,6 +106,7 @@ def ragged_experts(x, idx, w, w_gate, w_up, w_down):
     idx: [N, k] int32 expert ids in [0, E].
     w: [N, k] fp32 combine weights.
     w_gate, w_up: [E, D, F]; w_down: [E, F, D].
+    matmul: one of GROUPED_MATMULS (`expert_ffn`).
 
   Returns:
     [N, D] fp32 routed output: sum over slots of w * expert(x).
@@ -76,9 +118,7 @@ def ragged_experts(x, idx, w, w_gate, w_up, w_down):
   order = jnp.argsort(flat_e, stable=True)                       # [N*k]
   xs = jnp.take(x, order // k, axis=0)                           # [N*k, D]
   group_sizes = jnp.bincount(flat_e, length=e).astype(jnp.int32)  # [E]
-  h = (jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, group_sizes))
-       * jax.lax.ragged_dot(xs, w_up, group_sizes))              # [N*k, F]
-  ys = jax.lax.ragged_dot(h, w_down, group_sizes)                # [N*k, D]
+  ys = expert_ffn(xs, group_sizes, w_gate, w_up, w_down, matmul)  # [N*k, D]
   ys = ys.astype(jnp.float32) * jnp.take(w.reshape(-1), order)[:, None]
   # Inverse permutation (a scatter of indices) back to (token, slot) order.
   inv = jnp.zeros_like(order).at[order].set(
@@ -111,7 +151,8 @@ def token_axes(mesh, lead_shape: Sequence[int],
   return tuple(out)
 
 
-def _dispatch_body(x, idx, w, w_gate, w_up, w_down, *, axis, n_dev, capacity):
+def _dispatch_body(x, idx, w, w_gate, w_up, w_down, *, axis, n_dev, capacity,
+                   matmul):
   """One device: dispatch, local grouped matmul, return, combine.
 
   Args (this device's shards):
@@ -140,7 +181,7 @@ def _dispatch_body(x, idx, w, w_gate, w_up, w_down, *, axis, n_dev, capacity):
   a2a = lambda a: jax.lax.all_to_all(a, axis, 0, 0, tiled=True)  # noqa: E731
   recv_x, recv_le, recv_w = a2a(send_x), a2a(send_le), a2a(send_w)
   y = ragged_experts(recv_x.reshape(-1, d), recv_le.reshape(-1, k),
-                     recv_w.reshape(-1, k), w_gate, w_up, w_down)
+                     recv_w.reshape(-1, k), w_gate, w_up, w_down, matmul)
   back = a2a(y.reshape(n_dev, capacity, d))                      # [P, cap, D]
   back = jnp.where(valid[..., None], back, 0.0)
   out = jax.ops.segment_sum(back.reshape(-1, d), sel.reshape(-1),
@@ -150,7 +191,8 @@ def _dispatch_body(x, idx, w, w_gate, w_up, w_down, *, axis, n_dev, capacity):
 
 def expert_parallel_experts(x, idx, w, w_gate, w_up, w_down, *, mesh=None,
                             expert_axis: str = "expert",
-                            capacity_factor: Optional[float] = None):
+                            capacity_factor: Optional[float] = None,
+                            matmul: str = "ragged_dot"):
   """Routed experts split over `expert_axis` with an all-to-all dispatch.
 
   Same values and gradients as `ragged_experts` on the gathered arrays (with
@@ -164,6 +206,7 @@ def expert_parallel_experts(x, idx, w, w_gate, w_up, w_down, *, mesh=None,
     expert_axis: the mesh axis the experts are split over.
     capacity_factor: None = dropless (capacity = all local tokens); c > 0 =
       ceil(c n k / P) rows per destination (drops tokens beyond it).
+    matmul: the local grouped product, one of GROUPED_MATMULS.
 
   Returns:
     [..., D] fp32, like x (and laid out like x on Explicit mesh axes).
@@ -206,7 +249,7 @@ def expert_parallel_experts(x, idx, w, w_gate, w_up, w_down, *, mesh=None,
 
   def body(*xs):
     return _dispatch_body(*xs, axis=expert_axis, n_dev=n_dev,
-                          capacity=capacity)
+                          capacity=capacity, matmul=matmul)
 
   out = jax.shard_map(body, mesh=mesh, in_specs=specs,
                       out_specs=P(*tok, None))(*args)

@@ -1,7 +1,8 @@
 """Sparse MoE: shared SwiGLU + dropless routed SwiGLU experts (DESIGN 3.5).
 
 Routed dispatch "ragged" sorts (token, slot) pairs by expert and runs grouped
-matmuls with `jax.lax.ragged_dot` (expert_parallel.ragged_experts; split over
+matmuls (`jax.lax.ragged_dot`, or the Pallas grouped matmul of
+pallas_kernels.grouped_matmul on a GPU: expert_parallel.ragged_experts; split over
 the "expert" mesh axis with an all-to-all when the ambient mesh has one);
 "loop" runs every expert on every token and masks, the obviously-correct
 reference used by tests. Both give the same values and gradients. Router
@@ -80,7 +81,10 @@ class MoE(nn.Module):
       and L -> D (`latent_up`) after; the router and shared expert see x.
     qb_estimator, qb_bins, qb_range: Quantile-Balancing estimator settings,
       passed to the Router (see router.py).
-    dispatch: "ragged" (sort + ragged_dot) | "loop" (reference).
+    dispatch: "ragged" (sort + grouped matmul) | "loop" (reference).
+    grouped_matmul: the ragged dispatch's grouped products, one of
+      expert_parallel.GROUPED_MATMULS ("auto": the Pallas kernels on a GPU,
+      jax.lax.ragged_dot elsewhere).
     expert_axis: mesh axis for expert parallelism: when the ambient mesh
       (jax.set_mesh) has it with size > 1 dividing num_experts and the tokens
       (and dispatch == "ragged"), the routed experts run split over it with
@@ -107,6 +111,7 @@ class MoE(nn.Module):
   qb_range: float = 4.0
   expert_latent_dim: int = 0
   dispatch: str = "ragged"
+  grouped_matmul: str = "auto"
   expert_axis: str = "expert"
   ep_capacity_factor: float | None = None
   dtype: Any = jnp.float32
@@ -159,9 +164,11 @@ class MoE(nn.Module):
           x_experts.reshape(*lead, d_in), idx.reshape(*lead, -1),
           w.reshape(*lead, -1), w_gate, w_up, w_down,
           expert_axis=self.expert_axis,
-          capacity_factor=self.ep_capacity_factor).reshape(-1, d_in)
+          capacity_factor=self.ep_capacity_factor,
+          matmul=self.grouped_matmul).reshape(-1, d_in)
     elif self.dispatch == "ragged":
-      y = _ragged_experts(x_experts, idx, w, w_gate, w_up, w_down)
+      y = _ragged_experts(x_experts, idx, w, w_gate, w_up, w_down,
+                          self.grouped_matmul)
     else:
       y = _loop_experts(x_experts, idx, w, w_gate, w_up, w_down)
     y = y.astype(self.dtype)

@@ -1,0 +1,306 @@
+"""Grouped matmul over group-sorted rows as Pallas (Triton) GPU kernels.
+
+The routed experts of a dropless MoE multiply each token row by its
+expert's matrix: rows are sorted by expert, group g owns rows
+[start_g, end_g), and
+
+  gmm(x, w, sizes)[r]  = x[r] @ w[g(r)]          x [M, K], w [E, K, N]
+  tgmm(x, dy, sizes)[g] = x[rows g]^T @ dy[rows g]   (the weight gradient)
+
+Rows past sum(sizes) belong to no group and give zeros, as in
+`jax.lax.ragged_dot` (the expert-parallel dispatch marks rows for other
+devices that way).
+
+gmm walks "visits": pairs (row tile of `block_m` rows, group) with the tile
+holding rows of the group. A tile inside one group is one visit; a tile that
+straddles a group boundary is visited once per group, each visit storing
+only its own rows (disjoint row sets: no two programs write one element).
+There are at most M / block_m + E visits, so the wasted work is at most E
+tiles; a dense fallback (every row against every expert) wastes E / top_k.
+tgmm runs one program per (group, K block, N block) and loops over the row
+tiles of its group, so its cost follows the group's size.
+
+`gmm` is differentiable in x and w: dx = gmm(dy, w^T), dw = tgmm(x, dy).
+The reference is naive.gmm_reference / tgmm_reference.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+try:  # Triton compiler params (jax 0.10 - 0.12); absent -> default params.
+  from jax.experimental.pallas import triton as plgpu
+except ImportError:  # pragma: no cover
+  plgpu = None
+
+_F32 = jnp.float32
+_MIN_DIM = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+  """Block sizes and launch parameters of the two kernels.
+
+  block_m: rows per tile (gmm's visits, tgmm's inner loop step).
+  block_n, block_k: output columns per program and the contraction step of
+    gmm; each is lowered to the largest power of two that divides its dim.
+  tgmm_block_k, tgmm_block_n: the [K, N] output block of one tgmm program.
+  """
+  block_m: int = 128
+  block_n: int = 128
+  block_k: int = 64
+  num_warps: int = 8
+  num_stages: int = 3
+  tgmm_block_k: int = 128
+  tgmm_block_n: int = 128
+  tgmm_num_warps: int = 8
+  tgmm_num_stages: int = 3
+
+  def __post_init__(self):
+    for f in dataclasses.fields(self):
+      v = getattr(self, f.name)
+      if not isinstance(v, int) or v < 1 or (
+          f.name.startswith(("block", "tgmm_block")) and (v & (v - 1) or
+                                                          v < 16)):
+        raise ValueError(
+            f"Tuning.{f.name} must be a positive int (block sizes: a power "
+            f"of two >= 16), got {v!r}")
+
+
+def _block(dim: int, cap: int) -> int:
+  """Largest power of two <= cap dividing dim (dim is a multiple of 16)."""
+  b = cap
+  while dim % b:
+    b //= 2
+  return b
+
+
+def _params(num_warps, num_stages):
+  if plgpu is None:
+    return None
+  return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def group_bounds(group_sizes: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(start, end) row of each group. int32 [E] each."""
+  ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+  return ends - group_sizes.astype(jnp.int32), ends
+
+
+def visits(group_sizes: jax.Array, m_pad: int, block_m: int) -> tuple:
+  """The (tile, group, lo, hi) of every gmm program row; each int32 [V].
+
+  Groups are the E real ones plus a tail group E over [sum(sizes), m_pad),
+  whose rows gmm zero-fills. V = m_pad / block_m + E bounds the visits;
+  unused trailing entries get lo = hi (nothing to do).
+  """
+  e = group_sizes.shape[0]
+  start, end = group_bounds(group_sizes)
+  end_x = jnp.concatenate([end, jnp.full((1,), m_pad, jnp.int32)])
+  start_x = jnp.concatenate([start, end[-1:]])
+  n_tiles = m_pad // block_m
+  first_row = jnp.arange(n_tiles, dtype=jnp.int32) * block_m
+  # The group holding row r is the first whose end exceeds r (empty groups
+  # never hold a row; ones between g_first and g_last cost a no-op visit).
+  g_first = jnp.searchsorted(end_x, first_row, side="right")
+  g_last = jnp.searchsorted(end_x, first_row + block_m - 1, side="right")
+  per_tile = (g_last - g_first + 1).astype(jnp.int32)
+  offsets = jnp.cumsum(per_tile)
+  n_visits = n_tiles + e
+  v = jnp.arange(n_visits, dtype=jnp.int32)
+  tile = jnp.minimum(jnp.searchsorted(offsets, v, side="right"),
+                     n_tiles - 1).astype(jnp.int32)
+  group = (g_first[tile] + v - (offsets[tile] - per_tile[tile])).astype(
+      jnp.int32)
+  valid = v < offsets[-1]
+  group = jnp.where(valid, jnp.minimum(group, e), e)
+  lo = jnp.maximum(start_x[group], tile * block_m)
+  hi = jnp.minimum(end_x[group], (tile + 1) * block_m)
+  hi = jnp.where(valid, jnp.maximum(hi, lo), lo)
+  return tile, group, lo, hi
+
+
+def _gmm_kernel(tile_ref, group_ref, lo_ref, hi_ref, x_ref, w_ref, o_ref, *,
+                bm, bn, bk, num_groups, transpose_rhs, precision):
+  v, j = pl.program_id(0), pl.program_id(1)
+  g, lo, hi = group_ref[v], lo_ref[v], hi_ref[v]
+  row0 = tile_ref[v] * bm
+  rows = row0 + jax.lax.broadcasted_iota(jnp.int32, (bm, bn), 0)
+  mask = (rows >= lo) & (rows < hi)
+  out = o_ref.at[pl.ds(row0, bm), pl.ds(j * bn, bn)]
+  k_dim = x_ref.shape[1]
+
+  @pl.when((hi > lo) & (g < num_groups))
+  def _():
+    def body(kk, acc):
+      a = x_ref[pl.ds(row0, bm), pl.ds(kk * bk, bk)]
+      if transpose_rhs:    # w [E, N, K]: a @ w[g][cols]^T
+        b = w_ref[g, pl.ds(j * bn, bn), pl.ds(kk * bk, bk)]
+        dims = ((1,), (1,))
+      else:                # w [E, K, N]
+        b = w_ref[g, pl.ds(kk * bk, bk), pl.ds(j * bn, bn)]
+        dims = ((1,), (0,))
+      return acc + jax.lax.dot_general(a, b, (dims, ((), ())),
+                                       precision=precision,
+                                       preferred_element_type=_F32)
+    acc = jax.lax.fori_loop(0, k_dim // bk, body, jnp.zeros((bm, bn), _F32))
+    plgpu.store(out, acc.astype(o_ref.dtype), mask=mask)
+
+  @pl.when((hi > lo) & (g >= num_groups))
+  def _():   # rows in no group
+    plgpu.store(out, jnp.zeros((bm, bn), o_ref.dtype), mask=mask)
+
+
+def _tgmm_kernel(start_ref, end_ref, x_ref, dy_ref, o_ref, *, bm, bk, bn,
+                 precision):
+  g, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  lo, hi = start_ref[g], end_ref[g]
+  t_end = jnp.where(hi > lo, (hi + bm - 1) // bm, lo // bm)
+
+  def body(t, acc):
+    rows = t * bm + jax.lax.broadcasted_iota(jnp.int32, (bm, bk), 0)
+    a = x_ref[pl.ds(t * bm, bm), pl.ds(i * bk, bk)]
+    a = jnp.where((rows >= lo) & (rows < hi), a, jnp.zeros_like(a))
+    b = dy_ref[pl.ds(t * bm, bm), pl.ds(j * bn, bn)]
+    return acc + jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())),
+                                     precision=precision,
+                                     preferred_element_type=_F32)
+  acc = jax.lax.fori_loop(lo // bm, t_end, body, jnp.zeros((bk, bn), _F32))
+  o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def check_operands(x, w, group_sizes, transpose_rhs=False):
+  """ValueError naming the operand unless shapes and dtypes fit the kernels."""
+  if x.ndim != 2 or w.ndim != 3 or group_sizes.ndim != 1:
+    raise ValueError(
+        f"gmm takes x [M, K], w [E, K, N] and group_sizes [E]; got x "
+        f"{x.shape}, w {w.shape}, group_sizes {group_sizes.shape}")
+  k_w = w.shape[2] if transpose_rhs else w.shape[1]
+  if x.shape[1] != k_w or w.shape[0] != group_sizes.shape[0]:
+    raise ValueError(
+        f"gmm: x [M, K={x.shape[1]}] against w {w.shape} (transpose_rhs="
+        f"{transpose_rhs}) and {group_sizes.shape[0]} group sizes: K and E "
+        "must agree")
+  for name, d in (("K", x.shape[1]), ("N", w.shape[1] + w.shape[2] - k_w)):
+    if d % _MIN_DIM:
+      raise ValueError(f"gmm needs {name} a multiple of {_MIN_DIM}, got "
+                       f"{name}={d}")
+  for name, a in (("x", x), ("w", w)):
+    if a.dtype not in (jnp.float32, jnp.bfloat16):
+      raise ValueError(f"gmm takes {name} in float32 or bfloat16, got "
+                       f"{a.dtype}")
+  if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+    raise ValueError(f"gmm takes integer group_sizes, got "
+                     f"{group_sizes.dtype}")
+
+
+def _pad_rows(a, m_pad):
+  return a if a.shape[0] == m_pad else jnp.pad(
+      a, ((0, m_pad - a.shape[0]), (0, 0)))
+
+
+def _precision(dtype):
+  # fp32 operands: IEEE fp32 products on the GPU, not TF32.
+  return jax.lax.Precision.HIGHEST if dtype == _F32 else None
+
+
+def _gmm_call(x, w, group_sizes, transpose_rhs, tune, interpret):
+  m, k = x.shape
+  n = w.shape[1] if transpose_rhs else w.shape[2]
+  bm = tune.block_m
+  m_pad = pl.cdiv(m, bm) * bm
+  bn, bk = _block(n, tune.block_n), _block(k, tune.block_k)
+  meta = visits(group_sizes, m_pad, bm)
+  out = pl.pallas_call(
+      functools.partial(_gmm_kernel, bm=bm, bn=bn, bk=bk,
+                        num_groups=w.shape[0], transpose_rhs=transpose_rhs,
+                        precision=_precision(x.dtype)),
+      grid=(meta[0].shape[0], n // bn),
+      out_shape=jax.ShapeDtypeStruct((m_pad, n), x.dtype),
+      compiler_params=_params(tune.num_warps, tune.num_stages),
+      interpret=interpret,
+      name="gmm",
+  )(*meta, _pad_rows(x, m_pad), w.astype(x.dtype))
+  return out[:m]
+
+
+def _tgmm_call(x, dy, group_sizes, out_dtype, tune, interpret):
+  m, k = x.shape
+  n = dy.shape[1]
+  bm = tune.block_m
+  m_pad = pl.cdiv(m, bm) * bm
+  bk, bn = _block(k, tune.tgmm_block_k), _block(n, tune.tgmm_block_n)
+  start, end = group_bounds(group_sizes)
+  e = group_sizes.shape[0]
+  whole = lambda a: pl.BlockSpec(a.shape, lambda g, i, j: (0,) * a.ndim)  # noqa: E731
+  xp, dyp = _pad_rows(x, m_pad), _pad_rows(dy, m_pad)
+  return pl.pallas_call(
+      functools.partial(_tgmm_kernel, bm=bm, bk=bk, bn=bn,
+                        precision=_precision(x.dtype)),
+      grid=(e, k // bk, n // bn),
+      in_specs=[whole(start), whole(end), whole(xp), whole(dyp)],
+      out_specs=pl.BlockSpec((None, bk, bn), lambda g, i, j: (g, i, j)),
+      out_shape=jax.ShapeDtypeStruct((e, k, n), out_dtype),
+      compiler_params=_params(tune.tgmm_num_warps, tune.tgmm_num_stages),
+      interpret=interpret,
+      name="tgmm",
+  )(start, end, xp, dyp.astype(x.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _gmm(x, w, group_sizes, transpose_rhs, tune, interpret):
+  return _gmm_call(x, w, group_sizes, transpose_rhs, tune, interpret)
+
+
+def _gmm_fwd(x, w, group_sizes, transpose_rhs, tune, interpret):
+  out = _gmm_call(x, w, group_sizes, transpose_rhs, tune, interpret)
+  return out, (x, w, group_sizes)
+
+
+def _gmm_bwd(transpose_rhs, tune, interpret, res, dy):
+  x, w, group_sizes = res
+  dy = dy.astype(x.dtype)
+  dx = _gmm_call(dy, w, group_sizes, not transpose_rhs, tune, interpret)
+  if transpose_rhs:   # out = x @ w_g^T, w_g [N, K]: dw_g = dy_g^T x_g
+    dw = _tgmm_call(dy, x, group_sizes, w.dtype, tune, interpret)
+  else:               # out = x @ w_g: dw_g = x_g^T dy_g
+    dw = _tgmm_call(x, dy, group_sizes, w.dtype, tune, interpret)
+  return dx, dw, None
+
+
+_gmm.defvjp(_gmm_fwd, _gmm_bwd)
+
+
+def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
+        transpose_rhs: bool = False, tuning: Tuning | None = None,
+        interpret: bool = False) -> jax.Array:
+  """Grouped matmul: out[r] = x[r] @ w[g(r)] over group-sorted rows.
+
+  Args:
+    x: [M, K] float32 | bfloat16, rows sorted by group.
+    w: [E, K, N] (transpose_rhs: [E, N, K]); cast to x.dtype.
+    group_sizes: int [E], sum <= M; rows past the sum give zeros.
+    transpose_rhs: multiply by each group's matrix transposed.
+    tuning: block sizes and launch parameters (default Tuning()).
+    interpret: run the kernels in the Pallas interpreter (CPU tests).
+
+  Returns:
+    [M, N] in x.dtype (fp32 accumulation). Differentiable in x and w.
+  """
+  check_operands(x, w, group_sizes, transpose_rhs)
+  return _gmm(x, w, group_sizes.astype(jnp.int32), transpose_rhs,
+              tuning or Tuning(), interpret)
+
+
+def tgmm(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *,
+         tuning: Tuning | None = None, interpret: bool = False) -> jax.Array:
+  """Per-group x^T dy: out[g] = x[rows g]^T @ dy[rows g]. [E, K, N] fp32."""
+  if x.ndim != 2 or dy.ndim != 2 or x.shape[0] != dy.shape[0]:
+    raise ValueError(f"tgmm takes x [M, K] and dy [M, N], got x {x.shape} "
+                     f"and dy {dy.shape}")
+  return _tgmm_call(x, dy, group_sizes.astype(jnp.int32), _F32,
+                    tuning or Tuning(), interpret)

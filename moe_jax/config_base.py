@@ -44,6 +44,7 @@ def base_config() -> ml_collections.ConfigDict:
   m.norm_eps = 1e-6
   m.residual = "block_attn_res"  # block_attn_res | standard
   m.attn_res_layers_per_block = 2  # sublayers per AttnRes block (1 = full AttnRes)
+  m.remat = "none"              # none | sublayer | dots (moe_jax.model.REMAT_POLICIES)
 
   kda = m.kda = ml_collections.ConfigDict()
   kda.num_heads = 2             # head_dim = d_model // num_heads (K = V)

@@ -28,6 +28,16 @@ from moe_jax.sharding import HIDDEN_AXES, LOGITS_AXES, constrain
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
+# model.remat: what each sublayer keeps for the backward pass. "none" keeps
+# every activation; "sublayer" keeps only the sublayer's input and recomputes
+# the rest (one more forward, the least memory); "dots" keeps the outputs of
+# its matmuls and recomputes the elementwise work between them.
+REMAT_POLICIES = {
+    "none": None,
+    "sublayer": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
 
 def layer_kinds(model_cfg) -> list[str]:
   """'K' or 'M' for each layer: the pattern tiled over num_layers."""
@@ -47,13 +57,20 @@ class HybridLM(nn.Module):
   cfg: ml_collections.FrozenConfigDict
   rules: tuple | None = None
 
+  def _sublayer(self, cls):
+    """cls, wrapped in nn.remat under the config's policy (same params)."""
+    if self.cfg.remat == "none":
+      return cls
+    return nn.remat(cls, policy=REMAT_POLICIES[self.cfg.remat],
+                    prevent_cse=True)
+
   def _mixer(self, kind: str, i: int) -> nn.Module:
     c = self.cfg
     dtype, pdtype = _DTYPES[c.dtype], _DTYPES[c.param_dtype]
     out_scale = 1.0 / (2 * c.num_layers)
     if kind == "K":
       k = c.kda
-      return KDA(d_model=c.d_model, num_heads=k.num_heads, decay=k.decay,
+      return self._sublayer(KDA)(d_model=c.d_model, num_heads=k.num_heads, decay=k.decay,
                  g_min=k.g_min, decay_rank=k.decay_rank, gate_rank=k.gate_rank,
                  conv_size=k.conv_size, chunk_size=k.chunk_size,
                  backend=k.backend, pallas_stages=k.pallas_stages,
@@ -61,7 +78,7 @@ class HybridLM(nn.Module):
                  out_init_scale=out_scale, dtype=dtype, param_dtype=pdtype,
                  name=f"layer_{i}_kda")
     m = c.mla
-    return GatedMLA(d_model=c.d_model, num_heads=m.num_heads,
+    return self._sublayer(GatedMLA)(d_model=c.d_model, num_heads=m.num_heads,
                     kv_lora_rank=m.kv_lora_rank,
                     qk_nope_head_dim=m.qk_nope_head_dim,
                     v_head_dim=m.v_head_dim, q_lora_rank=m.q_lora_rank,
@@ -75,9 +92,9 @@ class HybridLM(nn.Module):
     dtype, pdtype = _DTYPES[c.dtype], _DTYPES[c.param_dtype]
     e = c.moe
     if i < e.first_dense_layers:
-      return SwiGLU(d_ff=e.d_dense, dtype=dtype, param_dtype=pdtype,
+      return self._sublayer(SwiGLU)(d_ff=e.d_dense, dtype=dtype, param_dtype=pdtype,
                     name=f"layer_{i}_dense")
-    return MoE(d_model=c.d_model, num_experts=e.num_experts, top_k=e.top_k,
+    return self._sublayer(MoE)(d_model=c.d_model, num_experts=e.num_experts, top_k=e.top_k,
                d_expert=e.d_expert, num_shared=e.num_shared,
                d_shared=e.d_shared, balancing=e.balancing,
                route_scale=e.route_scale, aux_loss_coef=e.aux_loss_coef,

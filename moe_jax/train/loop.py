@@ -144,39 +144,58 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
 
   bar = tqdm.tqdm(total=last_step, initial=start, disable=not (
       is_chief and tcfg.progress_bar), desc="train", dynamic_ncols=True)
-  # Seconds spent in train steps since the last log (eval and saves excluded).
-  step_time, steps_since = 0.0, 0
+  # Steps are dispatched without waiting for them: the host prepares the
+  # next batch while the device runs. Their metrics stay on the device until
+  # a log, eval or checkpoint step fetches them all (`fetch_pending`), which
+  # is also where non-finite steps are caught: before any checkpoint.
+  pending: list[tuple[int, dict]] = []
+  train_time, steps_timed = 0.0, 0   # since the last train log
+  t_mark = time.perf_counter()       # eval and saves are not train time
+
+  def fetch_pending() -> dict:
+    """Waits for the pending steps; checks them in order; router rows."""
+    nonlocal train_time, t_mark
+    host = jax.device_get([m for _, m in pending])
+    train_time += time.perf_counter() - t_mark
+    for (s, _), m in zip(pending, host):
+      loss = float(m["loss"])
+      if not (math.isfinite(loss) and math.isfinite(float(m["grad_norm"]))):
+        raise NonFiniteError(
+            f"non-finite loss ({loss}) or grad norm at step {s}; the last "
+            f"good checkpoint in {ckpt.directory} was kept")
+      # Router balance at every step (MaxVio_batch per layer).
+      writer.write(s, {k: v for k, v in m.items()
+                       if k.startswith("maxvio/")}, split="router")
+    pending.clear()
+    return host[-1]
+
   with _SigtermFlag() as sigterm:
     step = start
     while step < last_step:
       batch = global_batch(next(train_iter))
-      t0 = time.perf_counter()
-      new_state, metrics = train_step(state, batch)
-      loss = float(metrics["loss"])  # Also waits for the step to finish.
-      step_time += time.perf_counter() - t0
-      if not (math.isfinite(loss) and math.isfinite(float(
-          metrics["grad_norm"]))):
-        raise NonFiniteError(
-            f"non-finite loss ({loss}) or grad norm at step {step + 1}; the "
-            f"last good checkpoint in {ckpt.directory} was kept")
-      state, step = new_state, step + 1
-      steps_since += 1
+      state, metrics = train_step(state, batch)
+      step += 1
+      steps_timed += 1
+      pending.append((step, metrics))
       bar.update(1)
-      # Router balance at every step (cheap scalars; MaxVio_batch per layer).
-      writer.write(step, {k: v for k, v in metrics.items()
-                          if k.startswith("maxvio/")}, split="router")
-      if step % tcfg.log_every == 0 or step == last_step:
-        metrics = jax.device_get(metrics)
-        metrics["tokens_per_sec"] = steps_since * tokens_per_step / step_time
-        step_time, steps_since = 0.0, 0
+      log_now = step % tcfg.log_every == 0 or step == last_step
+      eval_now = step % tcfg.eval_every == 0 or step == last_step
+      save_now = (step % tcfg.checkpoint_every == 0 or step == last_step
+                  or sigterm.raised)
+      if not (log_now or eval_now or save_now):
+        continue
+      metrics = fetch_pending()
+      if log_now:
+        metrics["tokens_per_sec"] = steps_timed * tokens_per_step / train_time
+        train_time, steps_timed = 0.0, 0
         writer.write(step, metrics)
-        bar.set_postfix(loss=f"{loss:.3f}")
+        bar.set_postfix(loss=f"{float(metrics['loss']):.3f}")
         result.update({k: float(v) for k, v in metrics.items()})
-      if step % tcfg.eval_every == 0 or step == last_step:
+      if eval_now:
         result.update(run_eval(step))
-      if (step % tcfg.checkpoint_every == 0 or step == last_step
-          or sigterm.raised):
+      if save_now:
         ckpt.save(step, state, train_iter.get_state(), config.to_dict())
+      t_mark = time.perf_counter()
       if sigterm.raised:
         logging.warning("SIGTERM: saved step %d and stopped", step)
         break

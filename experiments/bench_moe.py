@@ -1,0 +1,121 @@
+r"""The routed experts alone: grouped-matmul TFLOP/s against the card's peak.
+
+Times forward + backward of the routed SwiGLU experts on group-sorted rows
+(`expert_parallel.expert_ffn`: gate/up product, SwiGLU, down product) for
+each grouped matmul, at MoE shapes given as N:D:F:E:k (tokens, model width,
+expert width, experts, top-k). Groups come from uniform random routing. The
+ideal count is the routed FLOPs alone: 3 x 2 x N x k x 3 x D x F (forward
+and backward). XLA's ragged_dot lowering is chosen by XLA flags, so each
+--xla_variants entry runs in its own process with its flags set.
+
+  python -m experiments.bench_moe --shapes=65536:1024:384:64:8 \
+      --matmuls=pallas,ragged_dot \
+      --xla_variants=default:,cudnn:--xla_gpu_experimental_use_ragged_dot_fusion=true
+"""
+from __future__ import annotations
+
+import json
+import time
+import os
+import subprocess
+import sys
+
+from absl import app, flags
+
+_SHAPES = flags.DEFINE_list("shapes", ["65536:1024:384:64:8",
+                                       "32768:512:96:64:4"],
+                            "N:D:F:E:k routed-expert shapes.")
+_MATMULS = flags.DEFINE_list("matmuls", ["pallas", "ragged_dot"],
+                             "model.moe.grouped_matmul values.")
+_XLA = flags.DEFINE_list("xla_variants", ["default:"],
+                         "name:XLA_FLAGS entries for the ragged_dot rows.")
+_ITERS = flags.DEFINE_integer("iters", 20, "Timed repeats (median).")
+_PEAK = flags.DEFINE_float("peak_tflops", 989.0, "Dense bf16 peak.")
+_CHILD = flags.DEFINE_string("child", "", "Internal: one variant name.")
+
+
+def time_one(shape: str, matmul: str, iters: int) -> dict:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from moe_jax.layers.expert_parallel import expert_ffn
+  n, d, f, e, k = (int(v) for v in shape.split(":"))
+  m = n * k
+  keys = jax.random.split(jax.random.PRNGKey(0), 5)
+  xs = jax.random.normal(keys[0], (m, d), jnp.bfloat16)
+  wg, wu = (jax.random.normal(kk, (e, d, f), jnp.bfloat16) * d**-0.5
+            for kk in keys[1:3])
+  wd = jax.random.normal(keys[3], (e, f, d), jnp.bfloat16) * f**-0.5
+  ids = jax.random.randint(keys[4], (m,), 0, e)
+  sizes = jnp.bincount(ids, length=e).astype(jnp.int32)
+  ct = jnp.ones((m, d), jnp.bfloat16)
+
+  def loss(xs, wg, wu, wd):
+    y = expert_ffn(xs, sizes, wg, wu, wd, matmul)
+    return jnp.sum(y.astype(jnp.float32) * ct)
+
+  fb = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+  fwd = jax.jit(loss)
+  out = {}
+  for name, fn in (("fwd", fwd), ("fwd+bwd", fb)):
+    jax.block_until_ready(fn(xs, wg, wu, wd))
+    times = []
+    for _ in range(iters):
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(xs, wg, wu, wd))
+      times.append(time.perf_counter() - t0)
+    out[name] = float(np.median(times))
+  flop_fwd = 2 * m * 3 * d * f
+  return dict(shape=shape, matmul=matmul, fwd_ms=out["fwd"] * 1e3,
+              fwdbwd_ms=out["fwd+bwd"] * 1e3,
+              fwd_tflops=flop_fwd / out["fwd"] / 1e12,
+              fwdbwd_tflops=3 * flop_fwd / out["fwd+bwd"] / 1e12,
+              device=jax.devices()[0].device_kind)
+
+
+def main(argv):
+  del argv
+  variants = dict(v.split(":", 1) for v in _XLA.value)
+  if _CHILD.value:
+    rows = []
+    for shape in _SHAPES.value:
+      for mm in _MATMULS.value:
+        if mm != "ragged_dot" and _CHILD.value != next(iter(variants)):
+          continue   # XLA flags change ragged_dot only
+        try:
+          rows.append(dict(time_one(shape, mm, _ITERS.value),
+                           xla=_CHILD.value))
+        except Exception as e:  # pylint: disable=broad-except
+          rows.append(dict(shape=shape, matmul=mm, xla=_CHILD.value,
+                           error=f"{type(e).__name__}: {str(e)[:200]}"))
+        print(json.dumps(rows[-1]), flush=True)
+    return
+  rows = []
+  for name, xla_flags in variants.items():
+    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " "
+                                      + xla_flags).strip())
+    cmd = [sys.executable, "-m", "experiments.bench_moe",
+           f"--child={name}"] + [a for a in sys.argv[1:]
+                                 if not a.startswith("--child")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    for line in proc.stdout.splitlines():
+      if line.startswith("{"):
+        rows.append(json.loads(line))
+    if proc.returncode:
+      print(proc.stderr[-2000:])
+  peak = _PEAK.value
+  print(f"\n| N:D:F:E:k | grouped matmul | XLA flags | fwd ms | fwd+bwd ms "
+        f"| fwd TFLOP/s | fwd+bwd TFLOP/s | of {peak:.0f} peak |")
+  print("|---|---|---|---|---|---|---|---|")
+  for r in rows:
+    if "error" in r:
+      print(f"| {r['shape']} | {r['matmul']} | {r['xla']} | {r['error']} "
+            "| | | | |")
+      continue
+    print(f"| {r['shape']} | {r['matmul']} | {r['xla']} | {r['fwd_ms']:.3f} "
+          f"| {r['fwdbwd_ms']:.3f} | {r['fwd_tflops']:.0f} | "
+          f"{r['fwdbwd_tflops']:.0f} | {r['fwdbwd_tflops'] / peak:.0%} |")
+
+
+if __name__ == "__main__":
+  app.run(main)

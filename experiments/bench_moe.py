@@ -29,16 +29,28 @@ _MATMULS = flags.DEFINE_list("matmuls", ["pallas", "ragged_dot"],
                              "model.moe.grouped_matmul values.")
 _XLA = flags.DEFINE_list("xla_variants", ["default:"],
                          "name:XLA_FLAGS entries for the ragged_dot rows.")
+_TUNINGS = flags.DEFINE_list(
+    "tunings", [""], "Pallas rows: bm:bn:bk:warps:stages of gmm (tgmm takes "
+    "bn/bk as its output block); '' = the default Tuning.")
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed repeats (median).")
 _PEAK = flags.DEFINE_float("peak_tflops", 989.0, "Dense bf16 peak.")
 _CHILD = flags.DEFINE_string("child", "", "Internal: one variant name.")
 
 
-def time_one(shape: str, matmul: str, iters: int) -> dict:
+def time_one(shape: str, matmul: str, iters: int, tuning: str = "") -> dict:
+  import functools
   import jax
   import jax.numpy as jnp
   import numpy as np
+  from moe_jax.layers import expert_parallel
   from moe_jax.layers.expert_parallel import expert_ffn
+  from pallas_kernels.grouped_matmul import Tuning, gmm
+  if tuning:
+    bm, bn, bk, nw, ns = (int(v) for v in tuning.split(":"))
+    expert_parallel.gmm = functools.partial(gmm, tuning=Tuning(
+        block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns,
+        tgmm_block_k=bk * 2, tgmm_block_n=bn, tgmm_num_warps=nw,
+        tgmm_num_stages=ns))
   n, d, f, e, k = (int(v) for v in shape.split(":"))
   m = n * k
   keys = jax.random.split(jax.random.PRNGKey(0), 5)
@@ -66,7 +78,7 @@ def time_one(shape: str, matmul: str, iters: int) -> dict:
       times.append(time.perf_counter() - t0)
     out[name] = float(np.median(times))
   flop_fwd = 2 * m * 3 * d * f
-  return dict(shape=shape, matmul=matmul, fwd_ms=out["fwd"] * 1e3,
+  return dict(shape=shape, matmul=matmul, tuning=tuning, fwd_ms=out["fwd"] * 1e3,
               fwdbwd_ms=out["fwd+bwd"] * 1e3,
               fwd_tflops=flop_fwd / out["fwd"] / 1e12,
               fwdbwd_tflops=3 * flop_fwd / out["fwd+bwd"] / 1e12,
@@ -82,13 +94,15 @@ def main(argv):
       for mm in _MATMULS.value:
         if mm != "ragged_dot" and _CHILD.value != next(iter(variants)):
           continue   # XLA flags change ragged_dot only
-        try:
-          rows.append(dict(time_one(shape, mm, _ITERS.value),
-                           xla=_CHILD.value))
-        except Exception as e:  # pylint: disable=broad-except
-          rows.append(dict(shape=shape, matmul=mm, xla=_CHILD.value,
-                           error=f"{type(e).__name__}: {str(e)[:200]}"))
-        print(json.dumps(rows[-1]), flush=True)
+        for tune in (_TUNINGS.value if mm == "pallas" else [""]):
+          try:
+            rows.append(dict(time_one(shape, mm, _ITERS.value, tune),
+                             xla=_CHILD.value))
+          except Exception as e:  # pylint: disable=broad-except
+            rows.append(dict(shape=shape, matmul=mm, xla=_CHILD.value,
+                             tuning=tune,
+                             error=f"{type(e).__name__}: {str(e)[:200]}"))
+          print(json.dumps(rows[-1]), flush=True)
     return
   rows = []
   for name, xla_flags in variants.items():
@@ -104,15 +118,16 @@ def main(argv):
     if proc.returncode:
       print(proc.stderr[-2000:])
   peak = _PEAK.value
-  print(f"\n| N:D:F:E:k | grouped matmul | XLA flags | fwd ms | fwd+bwd ms "
+  print(f"\n| N:D:F:E:k | grouped matmul | tuning | XLA flags | fwd ms | fwd+bwd ms "
         f"| fwd TFLOP/s | fwd+bwd TFLOP/s | of {peak:.0f} peak |")
-  print("|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|")
   for r in rows:
     if "error" in r:
-      print(f"| {r['shape']} | {r['matmul']} | {r['xla']} | {r['error']} "
-            "| | | | |")
+      print(f"| {r['shape']} | {r['matmul']} | {r.get('tuning', '')} | "
+            f"{r['xla']} | {r['error']} | | | | |")
       continue
-    print(f"| {r['shape']} | {r['matmul']} | {r['xla']} | {r['fwd_ms']:.3f} "
+    print(f"| {r['shape']} | {r['matmul']} | {r['tuning'] or 'default'} | "
+          f"{r['xla']} | {r['fwd_ms']:.3f} "
           f"| {r['fwdbwd_ms']:.3f} | {r['fwd_tflops']:.0f} | "
           f"{r['fwdbwd_tflops']:.0f} | {r['fwdbwd_tflops'] / peak:.0%} |")
 

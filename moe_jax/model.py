@@ -28,6 +28,9 @@ from moe_jax.sharding import HIDDEN_AXES, LOGITS_AXES, constrain
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
+# Vocabularies up to this size are embedded as a one-hot product.
+ONE_HOT_MAX_VOCAB = 4096
+
 # model.remat: what each sublayer keeps for the backward pass. "none" keeps
 # every activation; "sublayer" keeps only the sublayer's input and recomputes
 # the rest (one more forward, the least memory); "dots" keeps the outputs of
@@ -109,10 +112,18 @@ class HybridLM(nn.Module):
     """tokens: int [B, T] -> logits fp32 [B, T, vocab_size]."""
     c = self.cfg
     dtype = _DTYPES[c.dtype]
-    x = nn.Embed(c.vocab_size, c.d_model, dtype=dtype,
-                 param_dtype=_DTYPES[c.param_dtype],
-                 embedding_init=nn.initializers.normal(1.0),
-                 name="embed")(tokens)
+    embed = nn.Embed(c.vocab_size, c.d_model, dtype=dtype,
+                     param_dtype=_DTYPES[c.param_dtype],
+                     embedding_init=nn.initializers.normal(1.0), name="embed")
+    if c.vocab_size <= ONE_HOT_MAX_VOCAB:
+      # The lookup's gradient is a scatter-add of every token's row onto a
+      # few hundred table rows, which serialises on a GPU; as a one-hot
+      # product (exact: one nonzero per row) the gradient is a matmul.
+      x = jnp.dot(jax.nn.one_hot(tokens, c.vocab_size, dtype=dtype),
+                  embed.embedding.astype(dtype),
+                  precision=jax.lax.Precision.HIGHEST)
+    else:
+      x = embed(tokens)
     # Batch over the data axes, sequence over 'context', from here on.
     x = constrain(x, HIDDEN_AXES, self.rules)
 

@@ -115,15 +115,40 @@ def ragged_experts(x, idx, w, w_gate, w_up, w_down, matmul="ragged_dot"):
   e = w_gate.shape[0]
   flat_e = idx.reshape(-1)                                       # [N*k]
   # Stable sort keeps token order inside each expert group (determinism).
-  order = jnp.argsort(flat_e, stable=True)                       # [N*k]
-  xs = jnp.take(x, order // k, axis=0)                           # [N*k, D]
-  group_sizes = jnp.bincount(flat_e, length=e).astype(jnp.int32)  # [E]
-  ys = expert_ffn(xs, group_sizes, w_gate, w_up, w_down, matmul)  # [N*k, D]
-  ys = ys.astype(jnp.float32) * jnp.take(w.reshape(-1), order)[:, None]
-  # Inverse permutation (a scatter of indices) back to (token, slot) order.
+  order = jnp.argsort(flat_e, stable=True).astype(jnp.int32)    # [N*k]
   inv = jnp.zeros_like(order).at[order].set(
       jnp.arange(order.shape[0], dtype=order.dtype))
-  return jnp.take(ys, inv, axis=0).reshape(n, k, -1).sum(axis=1)
+  # Counts from the sorted ids: a scatter-add of ones onto E bins (bincount)
+  # serialises on the GPU.
+  group_sizes = jnp.diff(jnp.searchsorted(
+      flat_e[order], jnp.arange(e + 1, dtype=flat_e.dtype))).astype(jnp.int32)
+  xs = permute_rows(jnp.repeat(x, k, axis=0), order, inv)        # [N*k, D]
+  ys = expert_ffn(xs, group_sizes, w_gate, w_up, w_down, matmul)  # [N*k, D]
+  ys = ys.astype(jnp.float32) * jnp.take(w.reshape(-1), order)[:, None]
+  # Back to (token, slot) order, then the slots of each token summed.
+  return permute_rows(ys, inv, order).reshape(n, k, -1).sum(axis=1)
+
+
+@jax.custom_vjp
+def permute_rows(a: jax.Array, perm: jax.Array, inv: jax.Array) -> jax.Array:
+  """a[perm] for a permutation perm with inverse inv ([M, D] -> [M, D]).
+
+  Its gradient is the gather ct[inv]; jnp.take's would be a scatter-add,
+  which the GPU runs far slower than a gather.
+  """
+  return jnp.take(a, perm, axis=0)
+
+
+def _permute_fwd(a, perm, inv):
+  return jnp.take(a, perm, axis=0), (perm, inv)
+
+
+def _permute_bwd(res, ct):
+  perm, inv = res
+  return jnp.take(ct, inv, axis=0), None, None
+
+
+permute_rows.defvjp(_permute_fwd, _permute_bwd)
 
 
 def token_axes(mesh, lead_shape: Sequence[int],

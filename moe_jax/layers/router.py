@@ -84,8 +84,11 @@ def expert_load(expert_index: jax.Array, num_experts: int) -> jax.Array:
   Returns:
     [E] fp32 counts (sum = N * k).
   """
-  return jnp.bincount(expert_index.reshape(-1), length=num_experts).astype(
-      jnp.float32)
+  # Counted from the sorted ids: bincount's scatter-add of ones onto E bins
+  # serialises on the GPU.
+  ids = jnp.sort(expert_index.reshape(-1))
+  return jnp.diff(jnp.searchsorted(
+      ids, jnp.arange(num_experts + 1, dtype=ids.dtype))).astype(jnp.float32)
 
 
 def qb_exact_target(scores: jax.Array, bias: jax.Array, top_k: int, *,

@@ -5,9 +5,10 @@ import numpy as np
 import pytest
 from flax.core import FrozenDict, freeze
 
-from moe_jax.layers.router import (Router, collect_max_violation, expert_load,
-                                   max_violation, qb_exact_target,
-                                   update_router_state)
+from moe_jax.balancing import (collect_max_violation, expert_load,
+                               max_violation, qb_exact_target,
+                               update_router_state)
+from moe_jax.layers.router import Router
 
 M, N, K = 2048, 16, 2
 Q = M * K // N

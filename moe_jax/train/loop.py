@@ -21,13 +21,13 @@ from moe_jax import sharding
 from moe_jax.config_validation import validate_config
 from moe_jax.data import eval_batches, make_datasets, unigram_bits_per_byte
 from moe_jax.eval.evaluate import evaluate
+from moe_jax.eval.step import make_eval_step
 from moe_jax.model import build_model
 from moe_jax.train.checkpoint import Checkpointer, with_shardings
 from moe_jax.train.metrics import MetricsWriter
 from moe_jax.train.optimizer import make_optimizer, make_schedule
 from moe_jax.train.step import (abstract_train_state, init_train_state,
-                                make_eval_step, make_train_step,
-                                train_state_shardings)
+                                make_train_step, train_state_shardings)
 
 
 class NonFiniteError(FloatingPointError):

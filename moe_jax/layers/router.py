@@ -37,6 +37,7 @@ from moe_jax.balancing import (BALANCING_METHODS, QB_ESTIMATORS,
                                THRESHOLDS_COLLECTION, expert_load,
                                qb_exact_target, qb_histogram, qb_thresholds,
                                switch_aux_loss)
+from moe_jax.layers.param_axes import with_axes
 
 
 def _validate(num_experts: int, top_k: int, balancing: str,
@@ -110,8 +111,8 @@ class Router(nn.Module):
     if x.ndim != 2:
       raise ValueError(f"Router expects [N, D], got shape {x.shape}")
     e, k = self.num_experts, self.top_k
-    kernel = self.param("kernel", self.kernel_init, (x.shape[-1], e),
-                        jnp.float32)
+    kernel = self.param("kernel", with_axes(self.kernel_init, "embed", None),
+                        (x.shape[-1], e), jnp.float32)
     bias = self.variable(STATE_COLLECTION, "bias",
                          lambda: jnp.zeros((e,), jnp.float32))
 

@@ -75,7 +75,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
                      f"data's vocabulary ({vocab}); allowed: >= {vocab}")
   unigram_bpb = unigram_bits_per_byte(train_tokens, val_tokens, vocab)
 
-  # One mesh over all devices of all processes (DESIGN 3.9); on one device
+  # One mesh over all devices of all processes (docs/design.md §8); on one device
   # every sharding below is trivial and the run is the unsharded one.
   mesh = sharding.make_mesh(config.mesh)
   rules = config.mesh.rules

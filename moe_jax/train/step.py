@@ -34,11 +34,14 @@ class TrainState:
 
 
 def _init_fn(model: nn.Module, tx: optax.GradientTransformation,
-             seq_len: int) -> Callable[[jax.Array], TrainState]:
+             seq_len: int, boxed: bool = False
+             ) -> Callable[[jax.Array], TrainState]:
+  """init(rng) -> TrainState; params unboxed (plain arrays) unless boxed."""
   def init(rng):
     variables = model.init(rng, jnp.zeros((1, seq_len), jnp.int32))
-    params = variables["params"]
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+    params = nn.meta.unbox(variables["params"])
+    return TrainState(step=jnp.zeros((), jnp.int32),
+                      params=variables["params"] if boxed else params,
                       opt_state=tx.init(params),
                       router_state=variables.get("router_state", {}))
   return init
@@ -46,21 +49,30 @@ def _init_fn(model: nn.Module, tx: optax.GradientTransformation,
 
 def abstract_train_state(model: nn.Module, tx: optax.GradientTransformation,
                          rng: jax.Array, seq_len: int) -> TrainState:
-  """The TrainState as jax.ShapeDtypeStructs (nothing is computed)."""
-  return jax.eval_shape(_init_fn(model, tx, seq_len), rng)
+  """The TrainState as jax.ShapeDtypeStructs (nothing is computed).
+
+  Its params keep the logical-axes boxes of the layers
+  (nn.LogicallyPartitioned) for `train_state_shardings`;
+  train.checkpoint.with_shardings drops them.
+  """
+  return jax.eval_shape(_init_fn(model, tx, seq_len, boxed=True), rng)
 
 
 def train_state_shardings(abstract_state: TrainState,
                           tx: optax.GradientTransformation, mesh,
                           rules) -> TrainState:
-  """NamedSharding per leaf: params by moe_jax.sharding.PARAM_AXES, optimizer
-  state mirroring them, step and router_state replicated."""
+  """NamedSharding per leaf of the (unboxed) train state.
+
+  Params by the logical axes their layers declared, mapped through `rules`;
+  optimizer state mirroring them; step and router_state replicated.
+  """
   params = sharding.param_shardings(abstract_state.params, mesh, rules)
   rep = sharding.replicated(mesh)
   return TrainState(
       step=rep, params=params,
       opt_state=sharding.opt_state_shardings(
-          tx, abstract_state.opt_state, params, abstract_state.params, mesh),
+          tx, abstract_state.opt_state, params,
+          nn.meta.unbox(abstract_state.params), mesh),
       router_state=jax.tree.map(lambda _: rep, abstract_state.router_state))
 
 
@@ -77,7 +89,7 @@ def init_train_state(model: nn.Module, tx: optax.GradientTransformation,
     return jax.jit(_init_fn(model, tx, seq_len), out_shardings=shardings)(rng)
   # Jitted: eager init would dispatch every op of the model one by one.
   variables = jax.jit(model.init)(rng, jnp.zeros((1, seq_len), jnp.int32))
-  params = variables["params"]
+  params = nn.meta.unbox(variables["params"])
   router_state = variables.get("router_state", {})
   return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                     opt_state=tx.init(params), router_state=router_state)

@@ -1,4 +1,4 @@
-"""Pure-JAX linear attention oracles and the public op API (DESIGN 3.2).
+"""Pure-JAX linear attention oracles and the public op API (docs/design.md §4).
 
 The naive per-token recurrence is the ground truth; the chunked reference
 (the "xla" backend) must match it in values, final states and gradients, for

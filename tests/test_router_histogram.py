@@ -1,4 +1,4 @@
-"""Histogram Quantile-Balancing estimator (DESIGN 3.6): accuracy vs the exact
+"""Histogram Quantile-Balancing estimator (docs/design.md §6): accuracy vs the exact
 estimator, balancing, sharding invariance, Router wiring, config checks."""
 import functools
 

@@ -5,7 +5,7 @@
     o, new_state   = gla_step(q, k, v, g, state) / kda_step(q, k, v, g, beta, state)
                      (one token, decoding; q, k, g [B, H, K], states fp32)
 
-Shapes (DESIGN 3.2): q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H];
+Shapes (docs/design.md §4): q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H];
 states [B, H, K, V] fp32. o comes back in v.dtype, states in fp32.
 
 Backends. "xla" runs the pure-JAX chunked oracle (reference.chunk_*_ref),
@@ -40,7 +40,7 @@ _LOG = logging.getLogger(__name__)
 #     -> (o [B, T, H, V] in v.dtype, final_state [B, H, K, V] fp32)
 # and receives already validated inputs. g_min is None (no bound promised) or
 # a float < 0 that the caller guarantees g >= g_min (the bounded-decay
-# contract a kernel may exploit for dense diagonal tiles, DESIGN 3.1).
+# contract a kernel may exploit for dense diagonal tiles, docs/design.md §3).
 _IMPLS: Dict[str, Dict[str, Callable]] = {}
 
 

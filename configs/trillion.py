@@ -1,7 +1,7 @@
 r"""trillion: the full-scale model, about 1.0T total / 36B active parameters.
 
 For planning (experiments/plan.py) and for a multi-host launch; nothing here
-fits one machine. Shape (DESIGN 1, 3.3-3.5, 3.12):
+fits one machine. Shape (docs/design.md §1, §5, §9):
   - 88 layers, d_model 7168, hybrid 3 KDA : 1 MLA ("KKKM": 66 KDA, 22 MLA).
   - KDA: 56 heads of K = V = 128, chunk 64, bounded decay (g_min = -5),
     rank-128 decay and output-gate projections.

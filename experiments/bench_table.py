@@ -3,7 +3,7 @@ absl-flag experiment modules cannot share a process)."""
 
 
 def peer_name(row):
-  """The peer each of our rows is compared with (DESIGN 4's targets)."""
+  """The peer each of our rows is compared with (docs/design.md §4)."""
   if row["op"] == "gla":
     return "fla chunk_gla"
   if row["impl"] == "ours unbounded":

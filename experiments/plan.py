@@ -1,4 +1,6 @@
-r"""Plans a run at full scale: params, FLOPs, memory, comms (DESIGN 3.12).
+r"""Plans a run at full scale: params, FLOPs, memory, comms.
+
+docs/design.md §9.
 
   python -m experiments.plan --config=configs/trillion.py \
       --mesh=data=1,fsdp=1,expert=16,context=128,tensor=1 \

@@ -1,4 +1,4 @@
-r"""Numerical range scan of the dense-dot decay tile (DESIGN 3.1).
+r"""Numerical range scan of the dense-dot decay tile (docs/design.md §3).
 
   python -m experiments.range_scan
   python -m experiments.range_scan --g_mins=-3,-5,-8 --tile_lens=16 \

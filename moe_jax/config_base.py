@@ -124,7 +124,7 @@ def base_config() -> ml_collections.ConfigDict:
   t.keep_checkpoints = 2
   t.progress_bar = True
 
-  # ----- device mesh (DESIGN 3.9; moe_jax.sharding) -----
+  # ----- device mesh (docs/design.md §8; moe_jax.sharding) -----
   me = c.mesh = ml_collections.ConfigDict()
   me.num_devices = -1           # -1 = every device of every process; N =
                                 # the first N (one process: a 1-device run

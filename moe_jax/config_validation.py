@@ -8,6 +8,14 @@ from __future__ import annotations
 
 import ml_collections
 
+# The g_min values the bounded Pallas kernels accept: [KERNEL_G_MIN_LOWEST, 0)
+# (pallas_kernels.linear_attention.ops.KERNEL_G_MIN_LOWEST; a test keeps the
+# two equal, so that validation does not have to import the kernels).
+KERNEL_G_MIN_LOWEST = -5.5
+_KERNEL_G_MIN = (f"the bounded Pallas kernels accept g_min in "
+                 f"[{KERNEL_G_MIN_LOWEST}, 0); below that, backend 'auto' runs "
+                 "the unbounded kernel and 'xla' the reference")
+
 
 class ConfigError(ValueError):
   """A config value is outside its allowed range."""
@@ -87,12 +95,22 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   _int_range(config, "model.kda.num_heads", 1)
   _divides(config, "model.kda.num_heads", "model.d_model")
   _one_of(config, "model.kda.decay", ("bounded", "unbounded"))
-  _float_range(config, "model.kda.g_min", None, 0.0, hi_open=True)
+  try:
+    _float_range(config, "model.kda.g_min", None, 0.0, hi_open=True)
+  except ConfigError as e:
+    raise ConfigError(f"{e} ({_KERNEL_G_MIN})") from None
   _int_range(config, "model.kda.decay_rank", 1)
   _int_range(config, "model.kda.gate_rank", 1)
   _int_range(config, "model.kda.conv_size", 1, 16)
   _one_of(config, "model.kda.chunk_size", (16, 32, 64, 128))
   _one_of(config, "model.kda.backend", ("auto", "xla", "pallas", "interpret"))
+  kda = config.model.kda
+  if (kda.decay == "bounded" and kda.backend in ("pallas", "interpret")
+      and kda.g_min < KERNEL_G_MIN_LOWEST):
+    raise ConfigError(
+        f"model.kda.g_min={kda.g_min} with model.kda.backend={kda.backend!r} "
+        f"and model.kda.decay='bounded': {_KERNEL_G_MIN}; allowed: g_min in "
+        f"[{KERNEL_G_MIN_LOWEST}, 0), or backend 'auto' / 'xla'")
   _one_of(config, "model.kda.pallas_stages", ("auto", "triton", "mosaic"))
   if config.model.kda.pallas_stages == "mosaic":
     head_dim = config.model.d_model // config.model.kda.num_heads

@@ -24,6 +24,7 @@ from moe_jax.layers.kda import KDA
 from moe_jax.layers.mla import GatedMLA
 from moe_jax.layers.moe import MoE, SwiGLU
 from moe_jax.layers.norms import RMSNorm
+from moe_jax.layers.param_axes import DEFAULT_KERNEL_INIT, with_axes
 from moe_jax.sharding import HIDDEN_AXES, LOGITS_AXES, constrain
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -114,7 +115,9 @@ class HybridLM(nn.Module):
     dtype = _DTYPES[c.dtype]
     embed = nn.Embed(c.vocab_size, c.d_model, dtype=dtype,
                      param_dtype=_DTYPES[c.param_dtype],
-                     embedding_init=nn.initializers.normal(1.0), name="embed")
+                     embedding_init=with_axes(nn.initializers.normal(1.0),
+                                              "vocab", "embed"),
+                     name="embed")
     if c.vocab_size <= ONE_HOT_MAX_VOCAB:
       # The lookup's gradient is a scatter-add of every token's row onto a
       # few hundred table rows, which serialises on a GPU; as a one-hot
@@ -146,7 +149,9 @@ class HybridLM(nn.Module):
 
     h = RMSNorm(c.norm_eps, dtype=dtype, name="final_norm")(h)
     logits = nn.Dense(c.vocab_size, use_bias=False, dtype=dtype,
-                      param_dtype=_DTYPES[c.param_dtype], name="head")(h)
+                      param_dtype=_DTYPES[c.param_dtype],
+                      kernel_init=with_axes(DEFAULT_KERNEL_INIT, "embed",
+                                            "vocab"), name="head")(h)
     return constrain(logits.astype(jnp.float32), LOGITS_AXES, self.rules)
 
 

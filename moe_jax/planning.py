@@ -1,4 +1,4 @@
-r"""Planning at full scale by computation (DESIGN 3.12).
+r"""Planning at full scale by computation (docs/design.md §9).
 
 `plan(config, mesh_shape, seq_len, micro_batch)` instantiates the model
 abstractly (`jax.eval_shape(model.init, ...)`: shapes only, no memory), shards
@@ -30,7 +30,7 @@ FLOPs per token, forward, at length T (a multiply-add = 2 FLOPs):
             key; averaged over t. (Math FLOPs: the model pads q, k, v to
             max(dqk, dv) for dot_product_attention.)
   KDA       per layer H * (6CK + 4CV + C^2/3 + 6KV), the chunked algorithm of
-            DESIGN 3.2 per chunk and head divided by C: Akk and Aqk (2C^2K
+            docs/design.md §4 per chunk and head divided by C: Akk and Aqk (2C^2K
             each), the unit-triangular inverse (C^3/3), W = M(beta k e^b)
             (2C^2K), U = M(beta v) (2C^2V), Aqk V' (2C^2V), and three
             C x K x V products: W S, (q e^b) S and the state update (2CKV each).
@@ -112,16 +112,19 @@ import dataclasses
 import math
 from typing import Any, Mapping, Sequence
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
+from moe_jax.config_validation import MESH_AXES
 from moe_jax.model import build_model, layer_kinds
+from moe_jax.sharding import rules_dict
 
-MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
-BATCH_AXES = ("data", "fsdp", "expert")
+BATCH_AXES = rules_dict(None)["batch"]  # ("data", "fsdp", "expert")
+SEQUENCE_AXES = rules_dict(None)["sequence"]  # ("context",)
 COMPONENTS = ("embed", "KDA", "MLA", "dense FFN", "router", "MoE routed",
               "MoE latent proj", "MoE shared", "norms/AttnRes", "head")
 REMAT_POLICIES = ("sublayer", "block")
@@ -183,7 +186,8 @@ def abstract_variables(config: ml_collections.ConfigDict) -> Mapping:
   model = build_model(config)
   t = config.model.kda.chunk_size
   tokens = jax.ShapeDtypeStruct((1, t), jnp.int32)
-  return jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens)
+  variables = jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens)
+  return nn.meta.unbox(variables)  # drop the layers' logical-axes boxes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,10 +242,12 @@ def classify(path: Sequence[str]) -> str:
 
 
 def param_leaves(params: Mapping, model_cfg) -> list[Leaf]:
-  """Flattens a params tree (arrays or ShapeDtypeStructs) into Leaf records."""
+  """Flattens a params tree (arrays or ShapeDtypeStructs, boxed with logical
+  axes as model.init makes them, or plain) into Leaf records."""
   e, k = model_cfg.moe.num_experts, model_cfg.moe.top_k
   leaves = []
-  for key_path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+  for key_path, x in jax.tree_util.tree_flatten_with_path(
+      nn.meta.unbox(params))[0]:
     path = tuple(str(getattr(p, "key", p)) for p in key_path)
     comp = classify(path)
     shape = tuple(int(s) for s in x.shape)
@@ -350,7 +356,7 @@ def plan(config: ml_collections.ConfigDict, mesh_shape: Mapping[str, int],
     fsdp_axes: mesh axes the params and optimizer state are sharded over
       (ZeRO-3); routed experts are sharded over `expert` as well.
     global_batch: sequences per step; default keeps config's tokens per step
-      (config.data.batch_size * config.data.seq_len / T, DESIGN 3.8).
+      (config.data.batch_size * config.data.seq_len / T, docs/design.md §9).
     remat: "sublayer" | "block" (see the module docstring).
     hardware: assumptions of the time estimates and the memory headroom.
     variables: abstract (or real) model variables, to skip the init trace.
@@ -544,7 +550,7 @@ def plan(config: ml_collections.ConfigDict, mesh_shape: Mapping[str, int],
   fsdp_bytes = sum((g - n) * cb for g, n in zip(gathered, shard))
   add("fsdp all-gather", fsdp_group, 2 * fsdp_bytes * accum)
   add("fsdp reduce-scatter", fsdp_group, fsdp_bytes * accum)
-  token_axes = BATCH_AXES + ("context",)
+  token_axes = BATCH_AXES + SEQUENCE_AXES
   reduce_groups: dict[tuple, float] = {}
   for lf, s, n in zip(leaves, specs, shard):
     axes = tuple(a for a in token_axes

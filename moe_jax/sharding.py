@@ -1,4 +1,4 @@
-"""Device mesh, logical axis names and shardings (DESIGN 3.9).
+"""Device mesh, logical axis names and shardings (docs/design.md §8).
 
 One mesh with axes ('data', 'fsdp', 'expert', 'context', 'tensor'), built
 from config.mesh. Arrays are described by *logical* axis names (one per dim,
@@ -7,11 +7,11 @@ style. A dim is only sharded over the axes whose product divides it: an axis
 that does not divide is dropped (that dim is replicated over it) and logged,
 so every config runs on every mesh, just less sharded.
 
-Parameters are not annotated inside the layers; `PARAM_AXES` assigns their
-logical names by matching the parameter path, and anything unmatched is
-replicated (small vectors by design; a matrix is logged). Optimizer state
-mirrors the parameter shardings; the router state is replicated (one [E]
-bias per MoE layer).
+Parameters get their logical names where the layers create them
+(moe_jax/layers/param_axes.py); `param_logical_axes` reads them from the
+boxed params of model.init, and a parameter without names is an error.
+Optimizer state mirrors the parameter shardings; the router state is
+replicated (one [E] bias per MoE layer).
 
 `use_mesh(mesh)` (jax.set_mesh) must be active while a step is traced, so
 that layers can read the mesh with jax.sharding.get_abstract_mesh() (for
@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 from typing import Any, Callable, Mapping, Sequence
 
+import flax.linen as nn
 import jax
 import numpy as np
 import optax
@@ -37,38 +37,6 @@ from moe_jax.config_validation import MESH_AXES, ConfigError
 
 PyTree = Any
 Rules = Sequence[tuple[str, Any]]
-
-# Parameter path (keys joined by '/', below 'params') -> logical axes, first
-# match wins. Shapes are those of moe_jax/layers: Dense kernels [in, out];
-# routed experts [E, D_in, F] and [E, F, D_in]; fused head dims H * d.
-PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
-    # Embedding and output head.
-    (r"(^|/)embed/embedding$", ("vocab", "embed")),
-    (r"(^|/)head/kernel$", ("embed", "vocab")),
-    # Routed experts: experts over 'expert', the rest FSDP / tensor.
-    (r"_moe/w_(gate|up)$", ("expert", "embed", "mlp")),
-    (r"_moe/w_down$", ("expert", "mlp", "embed")),
-    (r"_moe/router/kernel$", ("embed", None)),
-    (r"_moe/latent_down/kernel$", ("embed", None)),
-    (r"_moe/latent_up/kernel$", (None, "embed")),
-    # KDA.
-    (r"_kda/(q|k|v)_proj/kernel$", ("embed", "heads")),
-    (r"_kda/(q|k|v)_conv$", (None, "heads")),
-    (r"_kda/beta_proj/kernel$", ("embed", "heads")),
-    (r"_kda/(decay|gate)_down/kernel$", ("embed", None)),
-    (r"_kda/(decay|gate)_up/kernel$", (None, "heads")),
-    (r"_kda/dt_bias$", ("heads", None)),
-    (r"_kda/A_log$", ("heads",)),
-    # Gated MLA.
-    (r"_mla/(q_proj|gate_proj)/kernel$", ("embed", "heads")),
-    (r"_mla/(q_down|kv_down|k_rope)/kernel$", ("embed", None)),
-    (r"_mla/(q_up|k_up|v_up)/kernel$", (None, "heads")),
-    # Output projections of both mixers.
-    (r"_(kda|mla)/o_proj/kernel$", ("heads", "embed")),
-    # SwiGLU: shared experts (…_moe/shared/…) and dense FFN layers.
-    (r"/(gate|up)/kernel$", ("embed", "mlp")),
-    (r"/down/kernel$", ("mlp", "embed")),
-)
 
 # Logical axes of activations (resolved through the same rules).
 BATCH_AXES = ("batch", "sequence")
@@ -277,27 +245,43 @@ def _path_str(path) -> str:
                   for k in path)
 
 
-def param_logical_axes(params: PyTree) -> PyTree:
-  """Logical axes per parameter leaf from PARAM_AXES (None per dim if none).
+def _is_boxed(x) -> bool:
+  return isinstance(x, nn.Partitioned)
 
-  A matched rule whose rank differs from the leaf is ignored (logged), and an
-  unmatched leaf of rank >= 2 is logged: it will be replicated.
+
+def param_logical_axes(params: PyTree) -> PyTree:
+  """Logical axes per parameter, as declared where the layer created it.
+
+  Args:
+    params: the 'params' tree of model.init (or of jax.eval_shape of it),
+      whose leaves the layers boxed with their logical names
+      (moe_jax.layers.param_axes.with_axes).
+
+  Returns:
+    The unboxed tree with a tuple of names (str or None) per leaf.
+
+  Raises:
+    ValueError naming every parameter created without logical axes (or with
+    one name too many or too few).
   """
+  bad = []
+
   def one(path, leaf):
-    name = _path_str(path)
-    for pattern, axes in PARAM_AXES:
-      if re.search(pattern, name):
-        if len(axes) == leaf.ndim:
-          return axes
-        logging.warning("sharding: rule %r gives %d axes for %s of shape %s; "
-                        "replicated", pattern, len(axes), name, leaf.shape)
-        break
-    else:
-      if leaf.ndim >= 2:
-        _log_once(f"sharding: no PARAM_AXES rule for {name} {leaf.shape}; "
-                  "replicated")
-    return (None,) * leaf.ndim
-  return jax.tree_util.tree_map_with_path(one, params)
+    if not _is_boxed(leaf):
+      bad.append(f"{_path_str(path)} {tuple(leaf.shape)}: no logical axes")
+      return (None,) * len(leaf.shape)
+    if len(leaf.names) != len(leaf.value.shape):
+      bad.append(f"{_path_str(path)} {tuple(leaf.value.shape)}: logical "
+                 f"axes {tuple(leaf.names)}")
+    return tuple(leaf.names)
+
+  axes = jax.tree_util.tree_map_with_path(one, params, is_leaf=_is_boxed)
+  if bad:
+    raise ValueError(
+        "parameters need one logical axis name (or None) per dim, declared "
+        "where the layer creates them (moe_jax.layers.param_axes.with_axes):"
+        "\n  " + "\n  ".join(bad))
+  return axes
 
 
 def _mesh_sizes(mesh) -> dict[str, int]:
@@ -306,13 +290,23 @@ def _mesh_sizes(mesh) -> dict[str, int]:
 
 def param_shardings(params: PyTree, mesh: Mesh,
                     rules: Rules | None) -> PyTree:
-  """NamedSharding per parameter (params: arrays or ShapeDtypeStructs)."""
+  """NamedSharding per parameter.
+
+  Args:
+    params: boxed params (arrays or ShapeDtypeStructs) as model.init makes
+      them; see `param_logical_axes`.
+    mesh: the target mesh.
+    rules: (logical name, mesh axes) pairs; None = DEFAULT_RULES.
+
+  Returns:
+    The unboxed params tree with a NamedSharding per leaf.
+  """
   sizes = _mesh_sizes(mesh)
   axes = param_logical_axes(params)
   return jax.tree_util.tree_map_with_path(
       lambda path, p, a: NamedSharding(mesh, logical_to_spec(
           a, p.shape, rules, sizes, _path_str(path), warn=True)),
-      params, axes)
+      nn.meta.unbox(params), axes)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -26,6 +26,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 import importlib.util  # noqa: E402
 import pathlib  # noqa: E402
 
+import flax.linen as nn  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -78,7 +79,7 @@ def init_moe(model, x, seed=0):
   eval_shape runs the real init code for structure; numpy values avoid
   compiling the random initialisers (seconds on a small CPU).
   """
-  shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0), x)
+  shapes = nn.meta.unbox(jax.eval_shape(model.init, jax.random.PRNGKey(0), x))
   rng = np.random.default_rng(seed)
   params = jax.tree_util.tree_map(
       lambda s: jnp.asarray(rng.standard_normal(s.shape) / np.sqrt(s.shape[-2]),

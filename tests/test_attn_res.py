@@ -1,4 +1,5 @@
 """Block Attention Residuals: the mixture, and block size 1 == full AttnRes."""
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +14,7 @@ def _sources(key, n, shape=(2, 5, 8)):
 def test_zero_query_is_uniform_average():
   srcs = _sources(jax.random.PRNGKey(0), 4)
   mix = AttnResMix()
-  params = mix.init(jax.random.PRNGKey(1), srcs)
+  params = nn.meta.unbox(mix.init(jax.random.PRNGKey(1), srcs))
   assert not np.any(params["params"]["query"])  # zero-initialised
   out = mix.apply(params, srcs)
   np.testing.assert_allclose(out, sum(srcs) / 4, rtol=1e-6, atol=1e-6)

@@ -24,7 +24,8 @@ def test_unknown_variant_names_allowed_ones():
 
 
 @pytest.mark.parametrize("field,value,pattern", [
-    ("model.kda.g_min", 0.0, r"model\.kda\.g_min must be in \(-inf, 0"),
+    ("model.kda.g_min", 0.0, r"model\.kda\.g_min must be in \(-inf, 0.*"
+     r"bounded Pallas kernels accept g_min in \[-5\.5, 0\)"),
     ("model.kda.g_min", 1.5, r"model\.kda\.g_min"),
     ("model.moe.top_k", 17, r"model\.moe\.top_k must be in \[1, "
      r"model\.moe\.num_experts=16\]"),
@@ -64,3 +65,21 @@ def test_mosaic_stages_need_bf16_and_wide_heads():
   config.model.dtype = "bfloat16"
   config.model.kda.num_heads = 1           # head dim 64
   validate_config(config)
+
+
+@pytest.mark.parametrize("backend", ["pallas", "interpret"])
+def test_bounded_kernel_backends_need_g_min_in_kernel_range(backend):
+  config = load_config("default.py")
+  config.model.kda.backend = backend
+  config.model.kda.g_min = -8.0
+  with pytest.raises(ConfigError, match=r"model\.kda\.g_min=-8\.0 with "
+                     r"model\.kda\.backend=.*accept g_min in \[-5\.5, 0\)"):
+    validate_config(config)
+  config.model.kda.backend = "auto"  # falls back (and logs), so allowed
+  validate_config(config)
+
+
+def test_kernel_g_min_range_matches_the_ops():
+  from moe_jax import config_validation
+  from pallas_kernels.linear_attention import ops
+  assert config_validation.KERNEL_G_MIN_LOWEST == ops.KERNEL_G_MIN_LOWEST

@@ -1,4 +1,4 @@
-"""Context-parallel GLA / KDA equal the unsharded ops (DESIGN 3.9).
+"""Context-parallel GLA / KDA equal the unsharded ops (docs/design.md §8).
 
 Every test compares the sequence-sharded op (8 fake CPU devices) with the
 unsharded `ops.gla` / `ops.kda` (backend "xla") on the same inputs: outputs,

@@ -1,4 +1,4 @@
-"""Expert-parallel MoE equals the single-device MoE (DESIGN 3.5 / 3.9).
+"""Expert-parallel MoE equals the single-device MoE (docs/design.md §8).
 
 The MoE runs under `jax.set_mesh` with an 'expert' axis on 8 fake CPU
 devices (experts split over it, tokens all-to-all'd) and is compared with the

@@ -1,4 +1,4 @@
-"""Pure-JAX linear attention oracles and the public op API (DESIGN 3.2).
+"""Pure-JAX linear attention oracles and the public op API (docs/design.md §4).
 
 The naive per-token recurrence is the ground truth; the chunked reference
 (the "xla" backend) must match it in values, final states and gradients, for
@@ -281,6 +281,21 @@ def test_auto_backend_picks_a_kernel_only_when_it_fits(monkeypatch):
   # Off GPU, auto is always XLA.
   monkeypatch.setattr(ops.jax, "default_backend", lambda: "cpu")
   assert ops._resolve("gla", "auto", chunk_size=64, g_min=-5.0)[0] is xla
+
+
+def test_auto_backend_logs_a_g_min_fallback_once(monkeypatch, caplog):
+  from pallas_kernels.linear_attention import ops
+  monkeypatch.setattr(ops.jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(ops, "_FALLBACKS_LOGGED", set())
+  with caplog.at_level("WARNING", logger=ops.__name__):
+    for _ in range(3):
+      ops._resolve("gla", "auto", chunk_size=64, g_min=-9.0)
+    ops._resolve("gla", "auto", chunk_size=64, g_min=-5.0)  # in range
+    ops._resolve("gla", "auto", chunk_size=64, g_min=None)  # no bound
+  msgs = [r.getMessage() for r in caplog.records]
+  assert len(msgs) == 1, msgs
+  assert "g_min=-9.0 is outside [-5.5, 0)" in msgs[0]
+  assert "unbounded Pallas path" in msgs[0]
 
 
 @pytest.mark.parametrize("c", [16, 64])

@@ -2,6 +2,7 @@
 import functools
 
 import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -197,8 +198,8 @@ def test_latent_experts_with_identity_projection_equal_plain_moe(dispatch):
 
 def test_latent_experts_shrink_expert_params():
   x = _x(5)
-  shapes = jax.eval_shape(_moe(expert_latent_dim=4).init,
-                          jax.random.PRNGKey(0), x)["params"]
+  shapes = nn.meta.unbox(jax.eval_shape(_moe(expert_latent_dim=4).init,
+                                        jax.random.PRNGKey(0), x))["params"]
   assert shapes["w_gate"].shape == (E, 4, F)
   assert shapes["w_down"].shape == (E, F, 4)
   assert shapes["latent_down"]["kernel"].shape == (D, 4)

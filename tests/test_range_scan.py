@@ -1,4 +1,4 @@
-"""Numerical range scan of the dense-dot decay tile (DESIGN 3.1)."""
+"""Numerical range scan of the dense-dot decay tile (docs/design.md §3)."""
 import math
 import subprocess
 import sys

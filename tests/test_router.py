@@ -1,13 +1,14 @@
-"""Router and Quantile Balancing (DESIGN 3.6) on skewed synthetic scores."""
+"""Router and Quantile Balancing (docs/design.md §6) on skewed synthetic scores."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax.core import FrozenDict, freeze
 
-from moe_jax.layers.router import (Router, collect_max_violation, expert_load,
-                                   max_violation, qb_exact_target,
-                                   update_router_state)
+from moe_jax.balancing import (collect_max_violation, expert_load,
+                               max_violation, qb_exact_target,
+                               update_router_state)
+from moe_jax.layers.router import Router
 
 M, N, K = 2048, 16, 2
 Q = M * K // N
@@ -58,7 +59,7 @@ def test_sign_rule_is_far_slower():
 
 
 def _thresholds(s, b, per_expert):
-  """r [M, N] of DESIGN 3.6 (or the per-expert exact threshold), by hand."""
+  """r [M, N] of docs/design.md §6 (or the per-expert exact threshold), by hand."""
   v, i = jax.lax.top_k(s + b, K + 1)
   picked = jnp.zeros((M, N), bool).at[jnp.arange(M)[:, None], i[:, :K]].set(
       True)
@@ -74,7 +75,7 @@ def test_qb_index_gives_q_tokens(per_expert):
   Exactly q values of r[:, j] lie strictly below the (q+1)-th smallest, so that
   is the right index, but the (q+1)-th token then sits on a tie: the realised
   load is q or q+1 (q-1 or q for the q-th smallest). The midpoint used by
-  qb_exact_target gives exactly q. With the DESIGN threshold this holds for
+  qb_exact_target gives exactly q. With the shared threshold this holds for
   overloaded experts only: for an underloaded one, the tokens whose (k+1)-th
   expert it is sit at r == b (a tie), which the per-expert threshold fixes.
   """

@@ -1,4 +1,4 @@
-"""Histogram Quantile-Balancing estimator (DESIGN 3.6): accuracy vs the exact
+"""Histogram Quantile-Balancing estimator (docs/design.md §6): accuracy vs the exact
 estimator, balancing, sharding invariance, Router wiring, config checks."""
 import functools
 
@@ -10,10 +10,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from conftest import load_config
 from moe_jax.config_validation import ConfigError, validate_config
-from moe_jax.layers.router import (Router, accumulate_router_stats,
-                                   expert_load, max_violation, qb_exact_target,
-                                   qb_histogram, qb_target_from_histogram,
-                                   update_router_state)
+from moe_jax.balancing import (accumulate_router_stats, expert_load,
+                               max_violation, qb_exact_target, qb_histogram,
+                               qb_target_from_histogram, update_router_state)
+from moe_jax.layers.router import Router
 
 try:
   shard_map = jax.shard_map

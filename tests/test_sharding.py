@@ -9,13 +9,14 @@ router-state check would show a flip. Layers run as plain GSPMD-partitioned
 code here (no shard_map), so this is the reference the shard_map paths must
 also meet.
 """
+import flax.linen as nn
 import jax
 import ml_collections
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from conftest import assert_config_error, load_config
+from conftest import assert_config_error, load_config, set_field
 from moe_jax import sharding
 from moe_jax.config_validation import ConfigError, validate_config
 from moe_jax.model import build_model
@@ -245,9 +246,40 @@ def test_logical_to_spec_drops_axes_that_do_not_divide():
     sharding.logical_to_spec(("batch", "sequence"), (4,), rules, sizes)
 
 
-def test_param_logical_axes_table(setup):
-  _, _, _, state, _, _ = setup
-  axes = sharding.param_logical_axes(state.params)
+def _declared_axes(config_name, variant=None, **fields):
+  """sharding.param_logical_axes of the abstract init of a config's model."""
+  config = load_config(config_name, variant)
+  for field, value in fields.items():
+    set_field(config, field, value)
+  model = build_model(config)
+  tokens = jax.ShapeDtypeStruct((1, config.model.kda.chunk_size), np.int32)
+  variables = jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens)
+  return sharding.param_logical_axes(variables["params"])
+
+
+@pytest.mark.parametrize("config_name,variant,fields", [
+    ("default.py", None, {}),
+    ("gpu_small.py", None, {}),
+    # Every optional parameter: latent experts, a dense first FFN, low-rank
+    # MLA queries with a rotary key, plain residuals (no AttnRes queries).
+    ("default.py", "latent_experts,standard_residual",
+     {"model.moe.first_dense_layers": 1, "model.mla.q_lora_rank": 16,
+      "model.mla.qk_rope_head_dim": 8}),
+])
+def test_every_param_declares_its_logical_axes(config_name, variant, fields):
+  # param_logical_axes raises for a parameter created without names.
+  axes = _declared_axes(config_name, variant, **fields)
+  rules = dict(sharding.rules_dict(None))
+  for path, a in jax.tree_util.tree_leaves_with_path(
+      axes, is_leaf=lambda x: isinstance(x, tuple)):
+    assert all(n is None or n in rules for n in a), (
+        jax.tree_util.keystr(path), a)
+    if len(a) >= 2:  # every matrix is split over some axis of the rules
+      assert any(a), jax.tree_util.keystr(path)
+
+
+def test_param_logical_axes_of_the_layers(setup):
+  axes = _declared_axes("default.py", "tiny,smoke")
   assert axes["layer_0_moe"]["w_gate"] == ("expert", "embed", "mlp")
   assert axes["layer_0_moe"]["w_down"] == ("expert", "mlp", "embed")
   assert axes["layer_0_moe"]["shared"]["down"]["kernel"] == ("mlp", "embed")
@@ -255,11 +287,18 @@ def test_param_logical_axes_table(setup):
   assert axes["layer_1_mla"]["o_proj"]["kernel"] == ("heads", "embed")
   assert axes["embed"]["embedding"] == ("vocab", "embed")
   assert axes["final_norm"]["scale"] == (None,)
-  # Every matrix of the model is covered by a rule.
-  for path, a in jax.tree_util.tree_leaves_with_path(
-      axes, is_leaf=lambda x: isinstance(x, tuple)):
-    if len(a) >= 2:
-      assert any(a), jax.tree_util.keystr(path)
+  # The train state itself holds plain arrays (checkpoints see no boxes).
+  _, _, _, state, _, _ = setup
+  assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(
+      state.params, is_leaf=lambda x: isinstance(x, nn.Partitioned)))
+
+
+def test_a_param_without_logical_axes_is_an_error():
+  params = {"layer": {"kernel": nn.LogicallyPartitioned(
+      np.zeros((4, 8)), ("embed", "mlp")), "bare": np.zeros((4, 8))}}
+  with pytest.raises(ValueError, match=r"layer/bare \(4, 8\): no logical "
+                     r"axes"):
+    sharding.param_logical_axes(params)
 
 
 def test_constrain_is_a_no_op_without_mesh():

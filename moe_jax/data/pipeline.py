@@ -3,7 +3,7 @@
 Training batches are a pure function of (seed, step): the window starts of the
 global batch at step s come from numpy's PCG64 seeded by SeedSequence([seed, s]).
 The iterator state is therefore just `{'step': s}`, checkpointed with the model,
-and a resume reproduces an uninterrupted run exactly (DESIGN.md 3.10). Every
+and a resume reproduces an uninterrupted run exactly (docs/design.md §9). Every
 process draws the same global batch and keeps its own contiguous slice of rows,
 so the processes together see exactly the global batch.
 

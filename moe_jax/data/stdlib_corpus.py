@@ -1,7 +1,7 @@
 """The embedded default corpus: the Python standard library's own source.
 
 Every machine that runs this code has Python, so its standard library is a
-corpus that needs no download, ever (DESIGN.md 3.10). We read the `*.py` files
+corpus that needs no download, ever (docs/design.md §9). We read the `*.py` files
 under the directory of the `os` module as raw bytes and tokenize byte-level.
 
 Tokens (vocab 259):

@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_jax.layers.router import max_violation
-from moe_jax.train.step import layer_label
+from moe_jax.balancing import max_violation
+from moe_jax.eval.step import layer_label
 
 
 def evaluate(eval_step: Callable, params, router_state,

@@ -1,4 +1,4 @@
-"""Block Attention Residuals (DESIGN §3.7).
+"""Block Attention Residuals (docs/design.md §7).
 
 Instead of x_{l+1} = x_l + f_l(x_l), each sublayer reads a softmax mixture of
 a few *sources*: the embedding, the sums of completed blocks of sublayers, and
@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax.layers.norms import rms_normalize
+from moe_jax.layers.param_axes import with_axes
 
 
 class AttnResMix(nn.Module):
@@ -34,7 +35,8 @@ class AttnResMix(nn.Module):
   def __call__(self, sources: Sequence[jax.Array]) -> jax.Array:
     """sources: S arrays [B, T, D] -> [B, T, D]."""
     d = sources[0].shape[-1]
-    w = self.param("query", nn.initializers.zeros, (d,), self.param_dtype)
+    w = self.param("query", with_axes(nn.initializers.zeros, None), (d,),
+                   self.param_dtype)
     v = jnp.stack(sources, axis=0)                                  # [S,B,T,D]
     keys = rms_normalize(v.astype(jnp.float32), self.eps)
     logits = jnp.einsum("sbtd,d->sbt", keys, w.astype(jnp.float32))

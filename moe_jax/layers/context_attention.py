@@ -1,7 +1,7 @@
 """Latent (MLA) attention with the sequence split over a mesh axis.
 
-DESIGN 3.4 / 3.9. Under context parallelism each device holds a contiguous
-block of T_l = T / P query positions. Keys and values of MLA come from a small
+docs/design.md §5 / §8. Under context parallelism each device holds a
+contiguous block of T_l = T / P query positions. Keys and values of MLA come from a small
 latent c_kv [B, T, R] (R = kv_lora_rank, e.g. 512, much smaller than the
 per-head keys + values H (D_qk + D_v)), so each device all_gathers the latent
 of the whole sequence over the axis, up-projects it to keys and values
@@ -26,8 +26,6 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from moe_jax.layers import mesh_utils
-
-DEFAULT_HEAD_AXES = ("tensor",)
 
 
 def _local_attention(q, c_kv, w_uk, w_uv, k_rope, *, axis, scale, dtype,
@@ -106,7 +104,8 @@ def context_parallel_latent_attention(
                      f"{axis!r} axis size {sizes[axis]}")
   b_axes = mesh_utils.choose_axes(mesh, batch_axes,
                                   mesh_utils.DEFAULT_BATCH_AXES, bsz, (axis,))
-  h_axes = mesh_utils.choose_axes(mesh, head_axes, DEFAULT_HEAD_AXES, h,
+  h_axes = mesh_utils.choose_axes(mesh, head_axes,
+                                  mesh_utils.DEFAULT_HEAD_AXES, h,
                                   (axis,) + b_axes)
   bs, hs = mesh_utils.spec_entry(b_axes), mesh_utils.spec_entry(h_axes)
   args = [q, c_kv, w_uk, w_uv]

@@ -1,7 +1,7 @@
 """Routed experts: grouped-matmul dispatch, on one device or expert-parallel.
 
-DESIGN 3.5 / 3.9. `ragged_experts` is the single-device dropless dispatch
-(sort (token, slot) pairs by expert, `jax.lax.ragged_dot`).
+docs/design.md §5 / §8. `ragged_experts` is the single-device dropless
+dispatch (sort (token, slot) pairs by expert, `jax.lax.ragged_dot`).
 `expert_parallel_experts` runs the same computation with the experts split
 over the mesh axis "expert" (E_l = E / P experts per device, P = axis size)
 inside `jax.shard_map`; tokens are split over the expert axis too (plus the
@@ -27,8 +27,8 @@ and a receiving grouped matmul over P n k (row, slot) pairs, the real ones
 first (whether ragged_dot skips the padded tail depends on its lowering);
 `capacity_factor` c > 0 shrinks the buffers to ceil(c n k / P) rows, and the
 tokens beyond it for a destination (the last in token order) lose that
-destination's experts (never the default; DESIGN 3.5). A ragged all-to-all
-(`jax.lax.ragged_all_to_all`) would send only the real rows, but XLA:CPU
+destination's experts (never the default; docs/design.md §5). A ragged
+all-to-all (`jax.lax.ragged_all_to_all`) would send only the real rows, but XLA:CPU
 (jax 0.10.2) does not implement it ("UNIMPLEMENTED: ragged-all-to-all"), so
 it could not be tested here and is not used.
 
@@ -56,8 +56,8 @@ GROUPED_MATMULS = ("auto", "ragged_dot", "pallas", "interpret")
 
 # Axes that may split the token dims [B, T] (or [N]); the expert axis must be
 # one of them so that each token is dispatched by exactly one device.
-_BATCH_AXES = ("data", "fsdp", "expert")
-_SEQ_AXES = ("context", "expert")
+_BATCH_AXES = mesh_utils.DEFAULT_BATCH_AXES
+_SEQ_AXES = mesh_utils.DEFAULT_SEQUENCE_AXES + ("expert",)
 
 
 def resolve_grouped_matmul(matmul: str, dims: Sequence[int] = ()) -> str:
@@ -161,7 +161,7 @@ def token_axes(mesh, lead_shape: Sequence[int],
   cannot split the tokens (then the caller keeps the single-device path).
   """
   if len(lead_shape) == 1:
-    groups = [_BATCH_AXES + ("context",)]
+    groups = [_BATCH_AXES + mesh_utils.DEFAULT_SEQUENCE_AXES]
   elif len(lead_shape) == 2:
     groups = [_BATCH_AXES, _SEQ_AXES]
   else:

@@ -1,6 +1,6 @@
 """Kimi Delta Attention (KDA) layer with the bounded decay parameterization.
 
-DESIGN §3.3 and §3.1:
+docs/design.md §5 and §3.1:
   q, k = l2norm(silu(shortconv(W_q x))), l2norm(silu(shortconv(W_k x)))
   v    = silu(shortconv(W_v x))
   beta = sigmoid(W_b x)
@@ -21,6 +21,7 @@ import numpy as np
 
 from moe_jax.layers import mesh_utils
 from moe_jax.layers.norms import l2_normalize, rms_normalize
+from moe_jax.layers.param_axes import DEFAULT_KERNEL_INIT, with_axes
 from pallas_kernels.linear_attention import kda as kda_op
 from pallas_kernels.linear_attention.context_parallel import (
     kda_context_parallel)
@@ -132,28 +133,34 @@ class KDA(nn.Module):
     b, t, _ = x.shape
     h = self.num_heads
     dk = self.d_model // h
-    dense = lambda n, name, **kw: nn.Dense(  # noqa: E731
-        n, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
-        name=name, **kw)
+    def dense(n, name, axes, init=DEFAULT_KERNEL_INIT):
+      return nn.Dense(n, use_bias=False, dtype=self.dtype,
+                      param_dtype=self.param_dtype,
+                      kernel_init=with_axes(init, *axes), name=name)
     x = x.astype(self.dtype)
+    to_heads, from_heads = ("embed", "heads"), (None, "heads")
 
     def conv_branch(name):
-      proj = dense(h * dk, f"{name}_proj")(x)
-      kernel = self.param(f"{name}_conv", nn.initializers.normal(
-          1.0 / math.sqrt(self.conv_size)), (self.conv_size, h * dk),
-                          self.param_dtype)
+      proj = dense(h * dk, f"{name}_proj", to_heads)(x)
+      kernel = self.param(f"{name}_conv", with_axes(nn.initializers.normal(
+          1.0 / math.sqrt(self.conv_size)), None, "heads"),
+                          (self.conv_size, h * dk), self.param_dtype)
       y, _ = causal_depthwise_conv(proj, kernel)
       return jax.nn.silu(y).reshape(b, t, h, dk)
 
     q = l2_normalize(conv_branch("q"), self.norm_eps)
     k = l2_normalize(conv_branch("k"), self.norm_eps)
     v = conv_branch("v")
-    beta = jax.nn.sigmoid(dense(h, "beta_proj")(x).astype(jnp.float32))
+    beta = jax.nn.sigmoid(
+        dense(h, "beta_proj", to_heads)(x).astype(jnp.float32))
 
-    x_g = dense(h * dk, "decay_up")(dense(self.decay_rank, "decay_down")(x))
-    dt_bias = self.param("dt_bias", _decay_bias_init(self.g_min, self.decay),
-                         (h, dk), jnp.float32)
-    a_log = self.param("A_log", nn.initializers.zeros, (h,), jnp.float32)
+    x_g = dense(h * dk, "decay_up", from_heads)(
+        dense(self.decay_rank, "decay_down", ("embed", None))(x))
+    dt_bias = self.param("dt_bias", with_axes(
+        _decay_bias_init(self.g_min, self.decay), "heads", None), (h, dk),
+                         jnp.float32)
+    a_log = self.param("A_log", with_axes(nn.initializers.zeros, "heads"),
+                       (h,), jnp.float32)
     g = kda_log_decay(x_g.reshape(b, t, h, dk), dt_bias, a_log,
                       decay=self.decay, g_min=self.g_min)
 
@@ -172,13 +179,16 @@ class KDA(nn.Module):
       o, _ = kda_op(q, k, v, g, beta, **op_kw)
 
     # Per-head RMSNorm with a scale shared across heads, then the output gate.
-    o_scale = self.param("o_norm_scale", nn.initializers.ones, (dk,),
+    o_scale = self.param("o_norm_scale", with_axes(nn.initializers.ones,
+                                                   None), (dk,),
                          self.param_dtype)
     o = rms_normalize(o.astype(jnp.float32), self.norm_eps) * o_scale
-    gate = dense(h * dk, "gate_up")(dense(self.gate_rank, "gate_down")(x))
+    gate = dense(h * dk, "gate_up", from_heads)(
+        dense(self.gate_rank, "gate_down", ("embed", None))(x))
     o = o.reshape(b, t, h * dk).astype(self.dtype) * jax.nn.sigmoid(gate)
-    return dense(self.d_model, "o_proj", kernel_init=nn.initializers.variance_scaling(
-        self.out_init_scale, "fan_in", "truncated_normal"))(o)
+    return dense(self.d_model, "o_proj", ("heads", "embed"),
+                 nn.initializers.variance_scaling(
+                     self.out_init_scale, "fan_in", "truncated_normal"))(o)
 
 
 def kda_param_count(d_model: int, num_heads: int, decay_rank: int,

@@ -14,11 +14,17 @@ from __future__ import annotations
 import jax
 from jax.sharding import NamedSharding
 
+from moe_jax.sharding import rules_dict
 # Re-exported (see __all__): the layers call them as mesh_utils.<name>.
 from pallas_kernels.linear_attention.context_parallel import (
     choose_axes, reshard, resolve_mesh, spec_entry, vary_like)
 
-DEFAULT_BATCH_AXES = ("data", "fsdp", "expert")
+# Mesh axes the shard_map layers may split activations over, from the rules
+# table (config_base.DEFAULT_RULES): batch ('data', 'fsdp', 'expert'),
+# sequence ('context',), heads ('tensor',).
+DEFAULT_BATCH_AXES = rules_dict(None)["batch"]
+DEFAULT_SEQUENCE_AXES = rules_dict(None)["sequence"]
+DEFAULT_HEAD_AXES = rules_dict(None)["heads"]
 
 
 def axis_size(name: str, mesh=None) -> int:
@@ -42,5 +48,6 @@ def match_sharding(out, ref, mesh):
   return jax.reshard(out, target)
 
 
-__all__ = ["DEFAULT_BATCH_AXES", "axis_size", "match_sharding", "choose_axes",
+__all__ = ["DEFAULT_BATCH_AXES", "DEFAULT_SEQUENCE_AXES",
+           "DEFAULT_HEAD_AXES", "axis_size", "match_sharding", "choose_axes",
            "reshard", "resolve_mesh", "spec_entry", "vary_like"]

@@ -1,6 +1,6 @@
 """Gated Multi-head Latent Attention (MLA), NoPE by default.
 
-DESIGN §3.4. Keys and values come from a small latent
+docs/design.md §5. Keys and values come from a small latent
   c_kv = rmsnorm(W_dkv x)                          [B, T, kv_lora_rank]
   k_h = W_uk_h c_kv,  v_h = W_uv_h c_kv            per head
   q_h = W_q_h x  (or W_uq_h rmsnorm(W_dq x) with q_lora_rank > 0)
@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from moe_jax.layers import mesh_utils
 from moe_jax.layers.context_attention import context_parallel_latent_attention
 from moe_jax.layers.norms import RMSNorm
+from moe_jax.layers.param_axes import DEFAULT_KERNEL_INIT, with_axes
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -73,23 +74,24 @@ class GatedMLA(nn.Module):
     h, dn, dr, dv = (self.num_heads, self.qk_nope_head_dim,
                      self.qk_rope_head_dim, self.v_head_dim)
     dqk = dn + dr
-    dense = lambda n, name, **kw: nn.Dense(  # noqa: E731
-        n, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
-        name=name, **kw)
+    def dense(n, name, axes, init=DEFAULT_KERNEL_INIT):
+      return nn.Dense(n, use_bias=False, dtype=self.dtype,
+                      param_dtype=self.param_dtype,
+                      kernel_init=with_axes(init, *axes), name=name)
     x = x.astype(self.dtype)
 
     # Queries.
     if self.q_lora_rank > 0:
-      c_q = RMSNorm(self.norm_eps, name="q_norm")(dense(self.q_lora_rank,
-                                                        "q_down")(x))
-      q = dense(h * dqk, "q_up")(c_q)
+      c_q = RMSNorm(self.norm_eps, name="q_norm")(
+          dense(self.q_lora_rank, "q_down", ("embed", None))(x))
+      q = dense(h * dqk, "q_up", (None, "heads"))(c_q)
     else:
-      q = dense(h * dqk, "q_proj")(x)
+      q = dense(h * dqk, "q_proj", ("embed", "heads"))(x)
     q = q.reshape(b, t, h, dqk)
 
     # Latent keys/values: only c_kv (and the rotary key) would be cached.
-    c_kv = RMSNorm(self.norm_eps, name="kv_norm")(dense(self.kv_lora_rank,
-                                                        "kv_down")(x))
+    c_kv = RMSNorm(self.norm_eps, name="kv_norm")(
+        dense(self.kv_lora_rank, "kv_down", ("embed", None))(x))
     n_ctx = mesh_utils.axis_size(self.context_axis)
     if n_ctx > 1 and t % n_ctx == 0:
       # Context parallel: gather the small latent, not the keys and values.
@@ -97,9 +99,11 @@ class GatedMLA(nn.Module):
     else:
       o = self._attention(x, q, c_kv, dense)
 
-    gate = jax.nn.sigmoid(dense(h * dv, "gate_proj")(x))
-    return dense(self.d_model, "o_proj", kernel_init=nn.initializers.variance_scaling(
-        self.out_init_scale, "fan_in", "truncated_normal"))(o * gate)
+    gate = jax.nn.sigmoid(dense(h * dv, "gate_proj", ("embed", "heads"))(x))
+    return dense(self.d_model, "o_proj", ("heads", "embed"),
+                 nn.initializers.variance_scaling(
+                     self.out_init_scale, "fan_in", "truncated_normal"))(
+                         o * gate)
 
   def _context_attention(self, x, q, c_kv, dense):
     """Attention with T split over the context axis; o [B, T, H * Dv]."""
@@ -115,8 +119,8 @@ class GatedMLA(nn.Module):
     k_rope = None
     if dr > 0:
       positions = jnp.arange(t)  # global positions (global view)
-      k_rope = apply_rope(dense(dr, "k_rope")(x)[:, :, None], positions,
-                          self.rope_theta)[:, :, 0]
+      k_rope = apply_rope(dense(dr, "k_rope", ("embed", None))(x)[:, :, None],
+                          positions, self.rope_theta)[:, :, 0]
       q_rope = apply_rope(q[..., dn:], positions, self.rope_theta)
       q = jnp.concatenate([q[..., :dn], q_rope], axis=-1)
     impl = None if self.attention_impl == "auto" else self.attention_impl
@@ -131,12 +135,12 @@ class GatedMLA(nn.Module):
     h, dn, dr, dv = (self.num_heads, self.qk_nope_head_dim,
                      self.qk_rope_head_dim, self.v_head_dim)
     dqk = dn + dr
-    k = dense(h * dn, "k_up")(c_kv).reshape(b, t, h, dn)
-    v = dense(h * dv, "v_up")(c_kv).reshape(b, t, h, dv)
+    k = dense(h * dn, "k_up", (None, "heads"))(c_kv).reshape(b, t, h, dn)
+    v = dense(h * dv, "v_up", (None, "heads"))(c_kv).reshape(b, t, h, dv)
     if dr > 0:
       positions = jnp.arange(t)
-      k_rope = apply_rope(dense(dr, "k_rope")(x)[:, :, None], positions,
-                          self.rope_theta)
+      k_rope = apply_rope(dense(dr, "k_rope", ("embed", None))(x)[:, :, None],
+                          positions, self.rope_theta)
       q_rope = apply_rope(q[..., dn:], positions, self.rope_theta)
       q = jnp.concatenate([q[..., :dn], q_rope], axis=-1)
       k = jnp.concatenate([k, jnp.broadcast_to(k_rope, (b, t, h, dr))], -1)
@@ -154,7 +158,8 @@ class GatedMLA(nn.Module):
 
 
 class _DenseKernel(nn.Module):
-  """The kernel param of an nn.Dense (same path, shape, init), as an array.
+  """The kernel of an up-projection nn.Dense (same path, shape, init and
+  logical axes (None, heads)), as an array.
 
   For code that must apply the matrix inside shard_map, where Linen modules
   cannot be called.
@@ -166,5 +171,5 @@ class _DenseKernel(nn.Module):
 
   @nn.compact
   def __call__(self) -> jax.Array:
-    return self.param("kernel", self.kernel_init,
+    return self.param("kernel", with_axes(self.kernel_init, None, "heads"),
                       (self.in_features, self.features), self.param_dtype)

@@ -1,4 +1,4 @@
-"""Sparse MoE: shared SwiGLU + dropless routed SwiGLU experts (DESIGN 3.5).
+"""Sparse MoE: shared SwiGLU + dropless routed SwiGLU experts (docs/design.md §5).
 
 Routed dispatch "ragged" sorts (token, slot) pairs by expert and runs grouped
 matmuls (`jax.lax.ragged_dot`, or the Pallas grouped matmul of
@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from moe_jax.layers import mesh_utils
 from moe_jax.layers.expert_parallel import (
     expert_parallel_experts, ragged_experts as _ragged_experts, token_axes)
+from moe_jax.layers.param_axes import with_axes
 from moe_jax.layers.router import Router
 
 DISPATCH_METHODS = ("ragged", "loop")
@@ -55,11 +56,12 @@ class SwiGLU(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     """x: [..., D] -> [..., D]."""
-    dense = lambda n, name: nn.Dense(
+    dense = lambda n, name, *axes: nn.Dense(  # noqa: E731
         n, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
-        kernel_init=self.kernel_init, name=name)
-    h = nn.silu(dense(self.d_ff, "gate")(x)) * dense(self.d_ff, "up")(x)
-    return dense(x.shape[-1], "down")(h)
+        kernel_init=with_axes(self.kernel_init, *axes), name=name)
+    h = (nn.silu(dense(self.d_ff, "gate", "embed", "mlp")(x))
+         * dense(self.d_ff, "up", "embed", "mlp")(x))
+    return dense(x.shape[-1], "down", "mlp", "embed")(h)
 
 
 class MoE(nn.Module):
@@ -140,17 +142,20 @@ class MoE(nn.Module):
     # Latent experts: route on x, but run the routed experts in a smaller
     # space (fewer expert params, a smaller all-to-all payload when sharded).
     latent = self.expert_latent_dim
-    dense = lambda n, name: nn.Dense(  # noqa: E731
+    dense = lambda n, name, *axes: nn.Dense(  # noqa: E731
         n, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
-        kernel_init=self.kernel_init, name=name)
+        kernel_init=with_axes(self.kernel_init, *axes), name=name)
     xc = xf.astype(self.dtype)
-    x_experts = dense(latent, "latent_down")(xc) if latent else xc
+    x_experts = (dense(latent, "latent_down", "embed", None)(xc) if latent
+                 else xc)
     d_in = latent or d
 
     init = _expert_init(self.kernel_init)
-    w_gate = self.param("w_gate", init, (e, d_in, f), self.param_dtype)
-    w_up = self.param("w_up", init, (e, d_in, f), self.param_dtype)
-    w_down = self.param("w_down", init, (e, f, d_in), self.param_dtype)
+    in_axes = with_axes(init, "expert", "embed", "mlp")
+    w_gate = self.param("w_gate", in_axes, (e, d_in, f), self.param_dtype)
+    w_up = self.param("w_up", in_axes, (e, d_in, f), self.param_dtype)
+    w_down = self.param("w_down", with_axes(init, "expert", "mlp", "embed"),
+                        (e, f, d_in), self.param_dtype)
     w_gate, w_up, w_down = (
         p.astype(self.dtype) for p in (w_gate, w_up, w_down))
 
@@ -173,7 +178,7 @@ class MoE(nn.Module):
       y = _loop_experts(x_experts, idx, w, w_gate, w_up, w_down)
     y = y.astype(self.dtype)
     if latent:
-      y = dense(d, "latent_up")(y)
+      y = dense(d, "latent_up", None, "embed")(y)
 
     if self.num_shared > 0:
       d_shared = self.d_shared if self.d_shared is not None else self.d_expert

@@ -5,6 +5,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from moe_jax.layers.param_axes import with_axes
+
 
 def rms_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
   """x / rms(x) over the last axis, computed in fp32, returned in x.dtype."""
@@ -33,7 +35,8 @@ class RMSNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    scale = self.param("scale", nn.initializers.ones, (x.shape[-1],),
+    scale = self.param("scale", with_axes(nn.initializers.ones, None),
+                       (x.shape[-1],),
                        self.param_dtype)
     y = rms_normalize(x.astype(jnp.float32), self.eps) * scale.astype(
         jnp.float32)

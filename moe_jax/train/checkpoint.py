@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import flax.linen as nn
 import jax
 import orbax.checkpoint as ocp
 
@@ -78,8 +79,10 @@ def with_shardings(abstract: Any, shardings: Any) -> Any:
   """ShapeDtypeStructs of `abstract` carrying the matching `shardings`.
 
   The restore target for another mesh: orbax reads each array straight into
-  its target sharding, whatever the layout it was saved with.
+  its target sharding, whatever the layout it was saved with. Logical-axes
+  boxes in `abstract` (train.step.abstract_train_state) are dropped: the
+  checkpoint holds plain arrays.
   """
   return jax.tree_util.tree_map(
       lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-      abstract, shardings)
+      nn.meta.unbox(abstract), shardings)

@@ -21,13 +21,13 @@ from moe_jax import sharding
 from moe_jax.config_validation import validate_config
 from moe_jax.data import eval_batches, make_datasets, unigram_bits_per_byte
 from moe_jax.eval.evaluate import evaluate
+from moe_jax.eval.step import make_eval_step
 from moe_jax.model import build_model
 from moe_jax.train.checkpoint import Checkpointer, with_shardings
 from moe_jax.train.metrics import MetricsWriter
 from moe_jax.train.optimizer import make_optimizer, make_schedule
 from moe_jax.train.step import (abstract_train_state, init_train_state,
-                                make_eval_step, make_train_step,
-                                train_state_shardings)
+                                make_train_step, train_state_shardings)
 
 
 class NonFiniteError(FloatingPointError):
@@ -75,7 +75,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
                      f"data's vocabulary ({vocab}); allowed: >= {vocab}")
   unigram_bpb = unigram_bits_per_byte(train_tokens, val_tokens, vocab)
 
-  # One mesh over all devices of all processes (DESIGN 3.9); on one device
+  # One mesh over all devices of all processes (docs/design.md §8); on one device
   # every sharding below is trivial and the run is the unsharded one.
   mesh = sharding.make_mesh(config.mesh)
   rules = config.mesh.rules

@@ -1,8 +1,9 @@
-"""Train state, the jitted train step and the eval step.
+"""Train state and the jitted train step.
 
-The order inside one step is the contract of Quantile Balancing (DESIGN §3.6):
-route with the old router bias, take the gradient and the optimizer step,
-then apply the router-bias update from the statistics the forward emitted.
+The order inside one step is the contract of Quantile Balancing
+(docs/design.md §6): route with the old router bias, take the gradient and
+the optimizer step, then apply the router-bias update from the statistics
+the forward emitted (moe_jax/balancing.py). The eval step is in moe_jax/eval/.
 """
 from __future__ import annotations
 
@@ -15,10 +16,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from moe_jax import sharding
-from moe_jax.layers.router import (THRESHOLDS_COLLECTION, collect_loads,
-                                   max_violation, qb_target_from_smallest,
-                                   reduce_router_stats, update_router_state)
+from moe_jax import balancing, sharding
+from moe_jax.balancing import STATS_COLLECTION, THRESHOLDS_COLLECTION
+from moe_jax.eval.step import cross_entropy, layer_label
 
 PyTree = Any
 LN2 = math.log(2.0)
@@ -34,11 +34,14 @@ class TrainState:
 
 
 def _init_fn(model: nn.Module, tx: optax.GradientTransformation,
-             seq_len: int) -> Callable[[jax.Array], TrainState]:
+             seq_len: int, boxed: bool = False
+             ) -> Callable[[jax.Array], TrainState]:
+  """init(rng) -> TrainState; params unboxed (plain arrays) unless boxed."""
   def init(rng):
     variables = model.init(rng, jnp.zeros((1, seq_len), jnp.int32))
-    params = variables["params"]
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+    params = nn.meta.unbox(variables["params"])
+    return TrainState(step=jnp.zeros((), jnp.int32),
+                      params=variables["params"] if boxed else params,
                       opt_state=tx.init(params),
                       router_state=variables.get("router_state", {}))
   return init
@@ -46,21 +49,30 @@ def _init_fn(model: nn.Module, tx: optax.GradientTransformation,
 
 def abstract_train_state(model: nn.Module, tx: optax.GradientTransformation,
                          rng: jax.Array, seq_len: int) -> TrainState:
-  """The TrainState as jax.ShapeDtypeStructs (nothing is computed)."""
-  return jax.eval_shape(_init_fn(model, tx, seq_len), rng)
+  """The TrainState as jax.ShapeDtypeStructs (nothing is computed).
+
+  Its params keep the logical-axes boxes of the layers
+  (nn.LogicallyPartitioned) for `train_state_shardings`;
+  train.checkpoint.with_shardings drops them.
+  """
+  return jax.eval_shape(_init_fn(model, tx, seq_len, boxed=True), rng)
 
 
 def train_state_shardings(abstract_state: TrainState,
                           tx: optax.GradientTransformation, mesh,
                           rules) -> TrainState:
-  """NamedSharding per leaf: params by moe_jax.sharding.PARAM_AXES, optimizer
-  state mirroring them, step and router_state replicated."""
+  """NamedSharding per leaf of the (unboxed) train state.
+
+  Params by the logical axes their layers declared, mapped through `rules`;
+  optimizer state mirroring them; step and router_state replicated.
+  """
   params = sharding.param_shardings(abstract_state.params, mesh, rules)
   rep = sharding.replicated(mesh)
   return TrainState(
       step=rep, params=params,
       opt_state=sharding.opt_state_shardings(
-          tx, abstract_state.opt_state, params, abstract_state.params, mesh),
+          tx, abstract_state.opt_state, params,
+          nn.meta.unbox(abstract_state.params), mesh),
       router_state=jax.tree.map(lambda _: rep, abstract_state.router_state))
 
 
@@ -77,7 +89,7 @@ def init_train_state(model: nn.Module, tx: optax.GradientTransformation,
     return jax.jit(_init_fn(model, tx, seq_len), out_shardings=shardings)(rng)
   # Jitted: eager init would dispatch every op of the model one by one.
   variables = jax.jit(model.init)(rng, jnp.zeros((1, seq_len), jnp.int32))
-  params = variables["params"]
+  params = nn.meta.unbox(variables["params"])
   router_state = variables.get("router_state", {})
   return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                     opt_state=tx.init(params), router_state=router_state)
@@ -87,26 +99,6 @@ def global_norm(tree: PyTree) -> jax.Array:
   """sqrt(sum of squares) over all leaves, in fp32."""
   return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32)))
                       for x in jax.tree.leaves(tree)))
-
-
-def sum_aux_losses(router_stats: PyTree) -> jax.Array:
-  """Sum of every 'aux_loss' leaf (already scaled by its coefficient)."""
-  total = jnp.zeros((), jnp.float32)
-  for path, leaf in jax.tree_util.tree_leaves_with_path(router_stats):
-    if getattr(path[-1], "key", None) == "aux_loss":
-      total = total + leaf
-  return total
-
-
-def layer_label(path: str) -> str:
-  """'layer_3_moe/router' -> 'layer_3' for metric names."""
-  return path.split("/")[0].removesuffix("_moe")
-
-
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-  """Mean token cross-entropy in nats. logits [B,T,V] fp32, targets [B,T]."""
-  return optax.softmax_cross_entropy_with_integer_labels(
-      logits, targets).mean()
 
 
 def split_microbatches(batch: dict, microbatches: int) -> dict:
@@ -124,24 +116,6 @@ def split_microbatches(batch: dict, microbatches: int) -> dict:
     x = x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:])
     return jnp.swapaxes(x, 0, 1)
   return jax.tree.map(split, batch)
-
-
-def _merge_smallest(smallest: jax.Array, r: jax.Array) -> jax.Array:
-  """Running q+1 smallest thresholds: smallest [..., E, q+1], r [..., N, E]."""
-  both = jnp.concatenate([smallest, jnp.swapaxes(r, -1, -2)], axis=-1)
-  neg, _ = jax.lax.top_k(-both, smallest.shape[-1])   # ascending after -
-  return -neg
-
-
-def _set_exact_targets(stats: dict, smallest: dict) -> dict:
-  """Sets qb_target from each 'r' buffer [..., E, q+1] (the exact target)."""
-  out = dict(stats)
-  for key, val in smallest.items():
-    if key == "r":
-      out["qb_target"] = qb_target_from_smallest(val, val.shape[-1] - 1)
-    else:
-      out[key] = _set_exact_targets(stats[key], val)
-  return out
 
 
 def make_grad_fn(model: nn.Module, moe_cfg, microbatches: int = 1
@@ -165,20 +139,21 @@ def make_grad_fn(model: nn.Module, moe_cfg, microbatches: int = 1
     logits, mutated = model.apply(
         {"params": params, "router_state": router_state}, batch["inputs"],
         mutable=mutable)
-    stats = mutated.get("router_stats", {})
+    stats = mutated.get(STATS_COLLECTION, {})
     ce = cross_entropy(logits, batch["targets"])
-    aux = sum_aux_losses(stats)
+    aux = balancing.sum_aux_losses(stats)
     return ce + aux, (ce, aux, stats, mutated.get(THRESHOLDS_COLLECTION, {}))
 
   if microbatches == 1:
     def grad_fn(params, router_state, batch):
       (loss, (ce, aux, stats, _)), grads = jax.value_and_grad(
           loss_fn, has_aux=True)(params, router_state, batch,
-                                 ["router_stats"])
+                                 [STATS_COLLECTION])
       return (loss, ce, aux, stats), grads
     return grad_fn
 
-  mutable = ["router_stats"] + ([THRESHOLDS_COLLECTION] if exact_qb else [])
+  mutable = [STATS_COLLECTION] + (
+      [THRESHOLDS_COLLECTION] if exact_qb else [])
   vg = jax.value_and_grad(loss_fn, has_aux=True)
 
   def grad_fn(params, router_state, batch):
@@ -189,13 +164,8 @@ def make_grad_fn(model: nn.Module, moe_cfg, microbatches: int = 1
         jax.tree.map(lambda x: x[0], mbs)["inputs"],
         mutable=mutable)[1].get(THRESHOLDS_COLLECTION, {}))
 
-    def init_smallest(r):
-      # q of the whole batch: m = microbatches x tokens of one microbatch.
-      m, n = microbatches * r.shape[-2], r.shape[-1]
-      q = min(max((m * moe_cfg.top_k) // n, 0), m - 1)
-      return jnp.full(r.shape[:-2] + (n, q + 1), jnp.inf, jnp.float32)
-
-    smallest0 = jax.tree.map(init_smallest, thr_shape)
+    smallest0 = jax.tree.map(lambda r: balancing.init_smallest(
+        r, microbatches, moe_cfg.top_k), thr_shape)
     grads0 = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
 
     def body(carry, mb):
@@ -204,17 +174,17 @@ def make_grad_fn(model: nn.Module, moe_cfg, microbatches: int = 1
                                                 mutable)
       grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32),
                                grads_acc, grads)
-      smallest = jax.tree.map(_merge_smallest, smallest, thr)
+      smallest = jax.tree.map(balancing.merge_smallest, smallest, thr)
       return (grads_acc, smallest), (loss, ce, aux, stats)
 
     (grads, smallest), (loss, ce, aux, stats) = jax.lax.scan(
         body, (grads0, smallest0), mbs)
     grads = jax.tree.map(lambda g, p: (g / microbatches).astype(p.dtype),
                          grads, params)
-    stats = reduce_router_stats(stats)
+    stats = balancing.reduce_router_stats(stats)
     if exact_qb:
-      stats = _set_exact_targets(flax.core.unfreeze(stats),
-                                 flax.core.unfreeze(smallest))
+      stats = balancing.set_exact_targets(flax.core.unfreeze(stats),
+                                          flax.core.unfreeze(smallest))
     return (loss.mean(), ce.mean(), aux.mean(), stats), grads
 
   return grad_fn
@@ -238,7 +208,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation,
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     # After the optimizer step, outside the gradient: the router bias update.
-    router_state = update_router_state(
+    router_state = balancing.update_router_state(
         state.router_state, stats, method=moe_cfg.balancing,
         ema=moe_cfg.qb_ema, sign_rate=moe_cfg.sign_rate,
         qb_range=moe_cfg.qb_range, top_k=moe_cfg.top_k)
@@ -247,24 +217,10 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation,
                "param_norm": global_norm(params)}
     if schedule is not None:
       metrics["lr"] = schedule(state.step)
-    for path, load in collect_loads(stats).items():
-      metrics[f"maxvio/{layer_label(path)}"] = max_violation(load)
+    for path, load in balancing.collect_loads(stats).items():
+      metrics[f"maxvio/{layer_label(path)}"] = balancing.max_violation(load)
     new_state = state.replace(step=state.step + 1, params=params,
                               opt_state=opt_state, router_state=router_state)
     return new_state, metrics
 
   return train_step
-
-
-def make_eval_step(model: nn.Module):
-  """eval_step(params, router_state, batch) -> (sum of CE nats, count, loads)."""
-
-  def eval_step(params, router_state, batch):
-    logits, mutated = model.apply(
-        {"params": params, "router_state": router_state}, batch["inputs"],
-        mutable=["router_stats"])
-    ce = optax.softmax_cross_entropy_with_integer_labels(
-        logits, batch["targets"])
-    return ce.sum(), ce.size, collect_loads(mutated.get("router_stats", {}))
-
-  return eval_step

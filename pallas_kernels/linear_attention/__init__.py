@@ -1,4 +1,4 @@
-"""Chunked linear attention (GLA, KDA) with per-channel log decay. DESIGN 3.2."""
+"""Chunked linear attention (GLA, KDA) with per-channel log decay. docs/design.md §4."""
 from pallas_kernels.linear_attention.ops import (
     BACKENDS, CHUNK_SIZES, available_backends, gla, gla_step, kda, kda_step,
     register_backend)

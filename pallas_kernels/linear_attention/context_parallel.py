@@ -1,6 +1,6 @@
 """Context (sequence-chunk) parallel GLA and KDA over a device mesh axis.
 
-DESIGN 3.2 / 3.9. The sequence axis (dim 1) is split over the mesh axis
+docs/design.md §4 / §8. The sequence axis (dim 1) is split over the mesh axis
 `axis` (default "context"): device d holds tokens [d T_l, (d+1) T_l). Both
 recurrences are affine in the state, so each device's segment is a map
 

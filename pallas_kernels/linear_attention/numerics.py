@@ -1,4 +1,4 @@
-"""Numerical range scan for the dense-dot intra-tile decay scores. DESIGN 3.1.
+"""Numerical range scan for the dense-dot intra-tile decay scores. docs/design.md §3.
 
 In a chunk, b_r is the running sum of the log decay g (g <= 0) up to row r
 (non-increasing along r). The intra-tile score of a diagonal tile
@@ -19,7 +19,7 @@ bf16 overflow past ~88.7 nats, fp16 past ~11.1. The unbounded softplus gate
 g = -softplus(x) has no lower bound, so S is unbounded and no tile is safe.
 
 Note: a 'middle' anchor in a partly filled last tile can read a row past the
-last valid query (a causality hazard in kernels, DESIGN 3.1); this module only
+last valid query (a causality hazard in kernels, docs/design.md §3); this module only
 measures numerics on full tiles.
 
 Everything here is pure: numpy for drawing and the float64 reference, jnp for

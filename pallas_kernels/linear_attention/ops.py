@@ -5,7 +5,7 @@
     o, new_state   = gla_step(q, k, v, g, state) / kda_step(q, k, v, g, beta, state)
                      (one token, decoding; q, k, g [B, H, K], states fp32)
 
-Shapes (DESIGN 3.2): q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H];
+Shapes (docs/design.md §4): q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H];
 states [B, H, K, V] fp32. o comes back in v.dtype, states in fp32.
 
 Backends. "xla" runs the pure-JAX chunked oracle (reference.chunk_*_ref),
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import math
 import numbers
 from typing import Callable, Dict, Mapping, Optional
@@ -32,13 +33,14 @@ from pallas_kernels.linear_attention.reference import (
 BACKENDS = ("auto", "xla", "pallas", "interpret")
 CHUNK_SIZES = (16, 32, 64, 128)
 OPS = ("gla", "kda")
+_LOG = logging.getLogger(__name__)
 
 # backend -> op name -> implementation. An implementation has the signature
 #   impl(q, k, v, g, [beta,] *, scale, initial_state, chunk_size, g_min)
 #     -> (o [B, T, H, V] in v.dtype, final_state [B, H, K, V] fp32)
 # and receives already validated inputs. g_min is None (no bound promised) or
 # a float < 0 that the caller guarantees g >= g_min (the bounded-decay
-# contract a kernel may exploit for dense diagonal tiles, DESIGN 3.1).
+# contract a kernel may exploit for dense diagonal tiles, docs/design.md §3).
 _IMPLS: Dict[str, Dict[str, Callable]] = {}
 
 
@@ -92,14 +94,32 @@ def set_bounded_only(op: str, bounded_only: bool) -> None:
   (_BOUNDED_ONLY.add if bounded_only else _BOUNDED_ONLY.discard)(op)
 
 
+_FALLBACKS_LOGGED: set = set()
+
+
+def _log_g_min_fallback(op: str, g_min: float, *, bounded_only: bool) -> None:
+  """Logs once per (op, g_min) that "auto" skips the bounded kernel."""
+  if (op, g_min) in _FALLBACKS_LOGGED:
+    return
+  _FALLBACKS_LOGGED.add((op, g_min))
+  instead = ("the XLA reference" if bounded_only else
+             "the unbounded Pallas path (g_min=None, slower)")
+  _LOG.warning(
+      "%s: g_min=%s is outside [%s, 0), the range the bounded Pallas kernels "
+      "accept; backend='auto' runs %s instead", op, g_min,
+      KERNEL_G_MIN_LOWEST, instead)
+
+
 def _resolve(op: str, backend: str, *, chunk_size: int = 64,
              g_min: Optional[float] = None, dims=(16, 16)):
   """(implementation, g_min to pass) for op and backend.
 
   "auto" picks the Pallas kernel on a GPU whenever it accepts the call
   (chunk 64, K and V multiples of 16 up to 256): the bounded path when g_min
-  is within the kernels' safe range, else the unbounded (position-pair) path
-  with g_min=None if the op has one; otherwise the XLA oracle.
+  is within the kernels' safe range [KERNEL_G_MIN_LOWEST, 0), else the
+  unbounded (position-pair) path with g_min=None if the op has one; otherwise
+  the XLA oracle. Skipping the bounded kernel for a g_min below the range is
+  logged once per (op, g_min).
   """
   if not isinstance(backend, str) or backend not in BACKENDS:
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -111,8 +131,11 @@ def _resolve(op: str, backend: str, *, chunk_size: int = 64,
     if on_gpu and fits and op in _IMPLS.get("pallas", {}):
       if g_min is not None and g_min >= KERNEL_G_MIN_LOWEST:
         backend = "pallas"
-      elif op not in _BOUNDED_ONLY:
-        backend, g_min = "pallas", None
+      else:
+        if g_min is not None:
+          _log_g_min_fallback(op, g_min, bounded_only=op in _BOUNDED_ONLY)
+        if op not in _BOUNDED_ONLY:
+          backend, g_min = "pallas", None
   impl = _IMPLS.get(backend, {}).get(op)
   if impl is None:
     raise NotImplementedError(

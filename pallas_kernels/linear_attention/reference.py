@@ -1,6 +1,6 @@
 """Pure-JAX oracles for chunked linear attention with per-channel log decay.
 
-DESIGN 3.2. Shapes follow the common convention:
+docs/design.md §4. Shapes follow the common convention:
   q, k:  [B, T, H, K]
   v:     [B, T, H, V]
   g:     [B, T, H, K]  log decay per step, g <= 0 (fp32)
@@ -233,7 +233,7 @@ def _check_chunk_size(chunk_size):
 
 def chunk_gla_ref(q, k, v, g, *, scale=None, initial_state=None,
                   chunk_size=64):
-  """Chunked GLA in pure JAX (DESIGN 3.2), safe for any g <= 0.
+  """Chunked GLA in pure JAX (docs/design.md §4), safe for any g <= 0.
 
   Per chunk with start state S and within-chunk decay cumsum b:
     O = scale * ((q exp(b)) S + Aqk v),  Aqk_ij = sum_d q_id k_jd exp(b_id - b_jd), j <= i
@@ -308,7 +308,7 @@ def unit_lower_triangular_inverse(n: jax.Array) -> jax.Array:
 
 def chunk_kda_ref(q, k, v, g, beta, *, scale=None, initial_state=None,
                   chunk_size=64):
-  """Chunked KDA (gated delta rule) in pure JAX (DESIGN 3.2), safe for any g <= 0.
+  """Chunked KDA (gated delta rule) in pure JAX (docs/design.md §4), safe for any g <= 0.
 
   Per chunk with start state S and within-chunk decay cumsum b:
     L_ij = beta_i sum_d k_id k_jd exp(b_id - b_jd)   (j < i),  M = (I + L)^-1

@@ -278,14 +278,23 @@ def main(argv):
               else None)
       res = run_row(config, r, _STEPS.value, _WARMUP.value, prof)
     rows.append(res)
+    with open(os.path.join(_OUT.value, "rows.jsonl"), "a") as f:
+      f.write(json.dumps(res) + "\n")
+    if "error" not in res and _PROFILE.value:
+      ops = top_ops(os.path.join(_OUT.value, row_name(r)), 10**9)
+      step = sum(ms for _, ms, _ in ops) or 1.0
+      summary = (f"\n### {row_name(r)}: {step:.1f} ms of device ops\n\n"
+                 "| op | ms | share | count |\n|---|---|---|---|\n" +
+                 "".join(f"| `{n[:90]}` | {ms:.2f} | {ms / step:.1%} | {k} |\n"
+                         for n, ms, k in ops[:_TOP.value]))
+      with open(os.path.join(_OUT.value, "top_ops.md"), "a") as f:
+        f.write(summary)
+      print(summary, flush=True)
     if "error" not in res:
       print(f"   {res['step_ms']:.1f} ms  {res['tokens_per_sec']:,.0f} tok/s"
             f"  MFU {res['mfu'] if res['mfu'] is None else round(res['mfu'], 3)}"
             f"  peak {res['peak_gib']} GiB  compile {res['compile_s']:.0f} s",
             flush=True)
-  with open(os.path.join(_OUT.value, "rows.jsonl"), "a") as f:
-    for res in rows:
-      f.write(json.dumps(res) + "\n")
   md = table(rows)
   ok = [r for r in rows if "error" not in r]
   if ok:
@@ -295,19 +304,6 @@ def main(argv):
           "(train, analytic).\n\n" + md)
   with open(os.path.join(_OUT.value, "table.md"), "w") as f:
     f.write(md)
-  if _PROFILE.value:
-    lines = []
-    for r in ok:
-      ops = top_ops(os.path.join(_OUT.value, row_name(r)), _TOP.value)
-      step = sum(ms for _, ms, _ in top_ops(
-          os.path.join(_OUT.value, row_name(r)), 10**9)) or 1.0
-      lines.append(f"\n### {row_name(r)}: {step:.1f} ms of device ops\n\n"
-                   "| op | ms | share | count |\n|---|---|---|---|\n")
-      lines += [f"| `{n[:90]}` | {ms:.2f} | {ms / step:.1%} | {k} |\n"
-                for n, ms, k in ops]
-    with open(os.path.join(_OUT.value, "top_ops.md"), "w") as f:
-      f.writelines(lines)
-    print("".join(lines))
   print(md)
 
 

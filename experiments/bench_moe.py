@@ -34,7 +34,33 @@ _TUNINGS = flags.DEFINE_list(
     "bn/bk as its output block); '' = the default Tuning.")
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed repeats (median).")
 _PEAK = flags.DEFINE_float("peak_tflops", 989.0, "Dense bf16 peak.")
+_CHECK = flags.DEFINE_bool(
+    "check", True, "Before timing, compare each non-reference row's values "
+    "and gradients with a per-expert fp32 reference at the same shape.")
 _CHILD = flags.DEFINE_string("child", "", "Internal: one variant name.")
+
+
+def reference_ffn(xs, sizes, wg, wu, wd):
+  """Per-expert masked fp32 SwiGLU (lax.map over experts: one compile).
+
+  The obviously-right form of expert_ffn at bench shapes.
+  """
+  import jax
+  import jax.numpy as jnp
+  from pallas_kernels.grouped_matmul.naive import group_of_rows
+  g = group_of_rows(sizes, xs.shape[0])
+  x32 = xs.astype(jnp.float32)
+  hp = jax.lax.Precision.HIGHEST
+
+  def one(args):
+    e, a, b, c = args
+    h = (jax.nn.silu(jnp.dot(x32, a.astype(jnp.float32), precision=hp))
+         * jnp.dot(x32, b.astype(jnp.float32), precision=hp))
+    return jnp.where((g == e)[:, None],
+                     jnp.dot(h, c.astype(jnp.float32), precision=hp), 0.0)
+
+  e = wg.shape[0]
+  return jnp.sum(jax.lax.map(one, (jnp.arange(e), wg, wu, wd)), axis=0)
 
 
 def time_one(shape: str, matmul: str, iters: int, tuning: str = "") -> dict:
@@ -53,14 +79,14 @@ def time_one(shape: str, matmul: str, iters: int, tuning: str = "") -> dict:
         tgmm_num_stages=ns))
   n, d, f, e, k = (int(v) for v in shape.split(":"))
   m = n * k
-  keys = jax.random.split(jax.random.PRNGKey(0), 5)
+  keys = jax.random.split(jax.random.PRNGKey(0), 6)
   xs = jax.random.normal(keys[0], (m, d), jnp.bfloat16)
   wg, wu = (jax.random.normal(kk, (e, d, f), jnp.bfloat16) * d**-0.5
             for kk in keys[1:3])
   wd = jax.random.normal(keys[3], (e, f, d), jnp.bfloat16) * f**-0.5
   ids = jax.random.randint(keys[4], (m,), 0, e)
   sizes = jnp.bincount(ids, length=e).astype(jnp.int32)
-  ct = jnp.ones((m, d), jnp.bfloat16)
+  ct = jax.random.normal(keys[5], (m, d), jnp.bfloat16)
 
   def loss(xs, wg, wu, wd):
     y = expert_ffn(xs, sizes, wg, wu, wd, matmul)
@@ -69,6 +95,21 @@ def time_one(shape: str, matmul: str, iters: int, tuning: str = "") -> dict:
   fb = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
   fwd = jax.jit(loss)
   out = {}
+  if _CHECK.value:
+    # Relative L2 error of the output and of every gradient against fp32.
+    y = jax.jit(lambda *a: expert_ffn(*a[:1], sizes, *a[1:], matmul))(
+        xs, wg, wu, wd)
+    y_ref = jax.jit(lambda *a: reference_ffn(a[0], sizes, *a[1:]))(
+        xs, wg, wu, wd)
+    g = fb(xs, wg, wu, wd)
+    g_ref = jax.jit(jax.grad(
+        lambda xs, *w: jnp.sum(reference_ffn(xs, sizes, *w)
+                               * ct.astype(jnp.float32)),
+        argnums=(0, 1, 2, 3)))(xs, wg, wu, wd)
+    rel = lambda a, b: float(jnp.linalg.norm(  # noqa: E731
+        a.astype(jnp.float32) - b) / jnp.linalg.norm(b))
+    out["rel_err"] = {n: rel(a, b) for n, a, b in zip(
+        ("y", "dx", "dw_gate", "dw_up", "dw_down"), (y, *g), (y_ref, *g_ref))}
   for name, fn in (("fwd", fwd), ("fwd+bwd", fb)):
     jax.block_until_ready(fn(xs, wg, wu, wd))
     times = []
@@ -78,7 +119,8 @@ def time_one(shape: str, matmul: str, iters: int, tuning: str = "") -> dict:
       times.append(time.perf_counter() - t0)
     out[name] = float(np.median(times))
   flop_fwd = 2 * m * 3 * d * f
-  return dict(shape=shape, matmul=matmul, tuning=tuning, fwd_ms=out["fwd"] * 1e3,
+  return dict(shape=shape, matmul=matmul, tuning=tuning,
+              rel_err=out.get("rel_err"), fwd_ms=out["fwd"] * 1e3,
               fwdbwd_ms=out["fwd+bwd"] * 1e3,
               fwd_tflops=flop_fwd / out["fwd"] / 1e12,
               fwdbwd_tflops=3 * flop_fwd / out["fwd+bwd"] / 1e12,
@@ -118,16 +160,19 @@ def main(argv):
     if proc.returncode:
       print(proc.stderr[-2000:])
   peak = _PEAK.value
-  print(f"\n| N:D:F:E:k | grouped matmul | tuning | XLA flags | fwd ms | fwd+bwd ms "
+  print(f"\n| N:D:F:E:k | grouped matmul | tuning | XLA flags | max rel err "
+        f"| fwd ms | fwd+bwd ms "
         f"| fwd TFLOP/s | fwd+bwd TFLOP/s | of {peak:.0f} peak |")
-  print("|---|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|---|")
   for r in rows:
     if "error" in r:
       print(f"| {r['shape']} | {r['matmul']} | {r.get('tuning', '')} | "
-            f"{r['xla']} | {r['error']} | | | | |")
+            f"{r['xla']} | {r['error']} | | | | | |")
       continue
+    err = r.get("rel_err")
+    err = max(err.values()) if err else float("nan")
     print(f"| {r['shape']} | {r['matmul']} | {r['tuning'] or 'default'} | "
-          f"{r['xla']} | {r['fwd_ms']:.3f} "
+          f"{r['xla']} | {err:.1e} | {r['fwd_ms']:.3f} "
           f"| {r['fwdbwd_ms']:.3f} | {r['fwd_tflops']:.0f} | "
           f"{r['fwdbwd_tflops']:.0f} | {r['fwdbwd_tflops'] / peak:.0%} |")
 

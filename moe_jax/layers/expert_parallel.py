@@ -124,7 +124,7 @@ def ragged_experts(x, idx, w, w_gate, w_up, w_down, matmul="ragged_dot"):
       flat_e[order], jnp.arange(e + 1, dtype=flat_e.dtype))).astype(jnp.int32)
   xs = permute_rows(jnp.repeat(x, k, axis=0), order, inv)        # [N*k, D]
   ys = expert_ffn(xs, group_sizes, w_gate, w_up, w_down, matmul)  # [N*k, D]
-  ys = ys.astype(jnp.float32) * jnp.take(w.reshape(-1), order)[:, None]
+  ys = ys.astype(jnp.float32) * permute_rows(w.reshape(-1, 1), order, inv)
   # Back to (token, slot) order, then the slots of each token summed.
   return permute_rows(ys, inv, order).reshape(n, k, -1).sum(axis=1)
 

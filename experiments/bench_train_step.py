@@ -71,7 +71,8 @@ PEAKS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0, "A100": 312.0}
 
 
 def peak_tflops(device_kind: str) -> float | None:
-  if _PEAK.value:
+  """The flag's peak, else the card's from PEAKS, else None (e.g. a CPU)."""
+  if flags.FLAGS.is_parsed() and _PEAK.value:
     return _PEAK.value
   for name, peak in PEAKS.items():
     if name in device_kind:
@@ -114,8 +115,8 @@ def configure(config, r: dict):
   return c
 
 
-def run_row(config, r: dict, steps: int, warmup: int, profile_dir: str | None
-            ) -> dict:
+def run_row(config, r: dict, steps: int, warmup: int, profile_dir: str | None,
+            config_name: str = "") -> dict:
   """Compiles and times one row in this process; returns its JSON row."""
   import jax
   import numpy as np
@@ -171,8 +172,7 @@ def run_row(config, r: dict, steps: int, warmup: int, profile_dir: str | None
   mem = dev.memory_stats() or {}
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
   return dict(
-      r, config=os.path.basename(config_flags.get_config_filename(
-          flags.FLAGS["config"])), device=dev.device_kind,
+      r, config=config_name, device=dev.device_kind,
       jax=jax.__version__, step_ms=1e3 * step_s,
       tokens_per_sec=tokens / step_s,
       model_tflop_per_token=flops["train_model"] / 1e12,
@@ -248,10 +248,13 @@ def table(rows: list[dict]) -> str:
 def main(argv):
   del argv
   config = _CONFIG.value
+  name = os.path.basename(config_flags.get_config_filename(
+      flags.FLAGS["config"]))
   if _ROW.value:   # child: one row, JSON on the last stdout line
     r = json.loads(_ROW.value)
     prof = os.path.join(_OUT.value, row_name(r)) if _PROFILE.value else None
-    print(json.dumps(run_row(config, r, _STEPS.value, _WARMUP.value, prof)))
+    print(json.dumps(run_row(config, r, _STEPS.value, _WARMUP.value, prof,
+                             name)))
     return
   os.makedirs(_OUT.value, exist_ok=True)
   rows = []
@@ -276,7 +279,7 @@ def main(argv):
     else:
       prof = (os.path.join(_OUT.value, row_name(r)) if _PROFILE.value
               else None)
-      res = run_row(config, r, _STEPS.value, _WARMUP.value, prof)
+      res = run_row(config, r, _STEPS.value, _WARMUP.value, prof, name)
     rows.append(res)
     with open(os.path.join(_OUT.value, "rows.jsonl"), "a") as f:
       f.write(json.dumps(res) + "\n")

@@ -256,6 +256,11 @@ def test_sigterm_saves_exits_75_and_the_rerun_resumes(smoke_run, tmp_path):
   final = res.stdout.splitlines()[-1]
   assert final.startswith("final: step=5 ") and "loss from step 4" in final
   assert "stopped by SIGTERM after saving step 5; exit 75" in final
+  # The config goes to a file, named by one log line; no TPU probe noise.
+  assert res.stderr.count("Config written to ") == 1
+  assert "Unable to initialize backend" not in res.stderr
+  assert json.load(open(os.path.join(workdir, "config.json")))["train"][
+      "steps"] == 6
   assert Checkpointer(workdir).latest_step() == 5
   result = loop.train_and_evaluate(smoke_run[0], workdir)
   assert not result["preempted"]

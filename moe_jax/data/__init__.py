@@ -25,8 +25,8 @@ from moe_jax.data.token_file import TokenFileError
 
 __all__ = [
     "BOS", "EOS", "NUM_BYTES", "PAD", "SOURCES", "TOKEN_DTYPES", "TokenBatcher",
-    "TokenFileError", "VOCAB_SIZE", "eval_batches", "list_stdlib_files", "load_stdlib_splits",
-    "load_token_file", "load_token_file_splits", "make_datasets",
-    "num_eval_batches", "stdlib_root", "stdlib_split_info",
+    "TokenFileError", "VOCAB_SIZE", "eval_batches", "list_stdlib_files",
+    "load_stdlib_splits", "load_token_file", "load_token_file_splits",
+    "make_datasets", "num_eval_batches", "stdlib_root", "stdlib_split_info",
     "unigram_bits_per_byte",
 ]

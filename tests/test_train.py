@@ -199,7 +199,8 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(
   result = loop.train_and_evaluate(config, workdir)
   _assert_same_run(workdir, result, smoke_run)
   moved = os.path.join(workdir, "checkpoints_damaged", "6")
-  reason = open(os.path.join(moved, "DAMAGED.txt")).read()
+  with open(os.path.join(moved, "DAMAGED.txt")) as f:
+    reason = f.read()
   assert {"flip": "SHA-256", "truncate": "bytes", "delete": "missing",
           "truncate_unverified": "restore failed"}[damage] in reason
   assert {"state", "data", "config"} <= set(os.listdir(moved))  # kept whole
@@ -259,8 +260,8 @@ def test_sigterm_saves_exits_75_and_the_rerun_resumes(smoke_run, tmp_path):
   # The config goes to a file, named by one log line; no TPU probe noise.
   assert res.stderr.count("Config written to ") == 1
   assert "Unable to initialize backend" not in res.stderr
-  assert json.load(open(os.path.join(workdir, "config.json")))["train"][
-      "steps"] == 6
+  with open(os.path.join(workdir, "config.json")) as f:
+    assert json.load(f)["train"]["steps"] == 6
   assert Checkpointer(workdir).latest_step() == 5
   result = loop.train_and_evaluate(smoke_run[0], workdir)
   assert not result["preempted"]

@@ -6,6 +6,8 @@ floor: imports nothing of ours.
 """
 from __future__ import annotations
 
+import json
+
 import ml_collections
 
 # The g_min values the bounded Pallas kernels accept: [KERNEL_G_MIN_LOWEST, 0)
@@ -264,3 +266,119 @@ def validate_mesh_config(config: ml_collections.ConfigDict) -> None:
       raise ConfigError(
           f"mesh.rules[{name!r}] must be None, one of {list(MESH_AXES)} or a "
           f"tuple of distinct ones, got {rule[1]!r}")
+
+
+# ----- resuming a workdir with another config -----
+
+# Fields that change the shapes, dtypes or tree of the saved params and
+# state: a checkpoint cannot restore under a config that changes them.
+STATE_SHAPE_FIELDS = frozenset({
+    "model.vocab_size", "model.d_model", "model.num_layers",
+    "model.layer_pattern", "model.param_dtype", "model.residual",
+    "model.kda.num_heads", "model.kda.decay_rank", "model.kda.gate_rank",
+    "model.kda.conv_size",
+    "model.mla.num_heads", "model.mla.kv_lora_rank", "model.mla.q_lora_rank",
+    "model.mla.qk_nope_head_dim", "model.mla.qk_rope_head_dim",
+    "model.mla.v_head_dim",
+    "model.moe.num_experts", "model.moe.d_expert", "model.moe.num_shared",
+    "model.moe.d_shared", "model.moe.expert_latent_dim",
+    "model.moe.first_dense_layers", "model.moe.d_dense",
+})
+
+# Fields that change only how or where the same state is computed, or what
+# is logged: a run moves between a GPU and a CPU, or onto another mesh.
+PLACEMENT_FIELDS = frozenset({
+    "model.dtype", "model.kda.backend", "model.kda.pallas_stages",
+    "model.kda.chunk_size", "model.mla.attention_impl", "model.moe.dispatch",
+    "model.moe.grouped_matmul", "model.remat",
+    "train.microbatches", "train.log_every", "train.eval_every",
+    "train.eval_batches", "train.checkpoint_every", "train.keep_checkpoints",
+    "train.progress_bar",
+})
+PLACEMENT_PREFIXES = ("mesh.",)
+
+# Every other field (schedule, optimizer, data, balancing, ...) may change
+# with a warning, or not at all under strict_resume.
+
+
+class ResumeConfigError(ConfigError):
+  """The config differs from the one a workdir's checkpoint was saved with."""
+
+
+def _flatten(tree, prefix: str = "") -> dict:
+  """{dotted path: leaf} of nested dicts; tuples become lists (as in JSON)."""
+  out = {}
+  for key, value in tree.items():
+    path = f"{prefix}{key}"
+    if isinstance(value, dict):
+      out.update(_flatten(value, path + "."))
+    else:
+      out[path] = value
+  return out
+
+
+def _as_saved(config_dict: dict) -> dict:
+  """A config dict as it reads back from a checkpoint (JSON round trip)."""
+  return json.loads(json.dumps(config_dict))
+
+
+def resume_config_changes(saved: dict, new: dict
+                          ) -> tuple[list[str], list[str], list[str]]:
+  """The fields that differ between a saved config dict and a new one.
+
+  Args:
+    saved: the config dict read back from a checkpoint.
+    new: the config dict of this run (`config.to_dict()`).
+
+  Returns:
+    (shape, placement, other) lists of "field: old -> new" strings, sorted;
+    a field missing on one side reads as <absent>.
+  """
+  old, cur = _flatten(saved), _flatten(_as_saved(new))
+  shape, placement, other = [], [], []
+  for path in sorted(set(old) | set(cur)):
+    a, b = old.get(path, "<absent>"), cur.get(path, "<absent>")
+    if a == b:
+      continue
+    line = f"{path}: {a!r} -> {b!r}" if (
+        isinstance(a, str) or isinstance(b, str)) else f"{path}: {a} -> {b}"
+    if path in STATE_SHAPE_FIELDS:
+      shape.append(line)
+    elif path in PLACEMENT_FIELDS or path.startswith(PLACEMENT_PREFIXES):
+      placement.append(line)
+    else:
+      other.append(line)
+  return shape, placement, other
+
+
+def check_resume_config(saved: dict, new: dict, *, strict: bool = False,
+                        where: str = "the checkpoint") -> list[str]:
+  """Refuses a resume whose config changes the saved state; lists the rest.
+
+  Args:
+    saved: the config dict saved with the checkpoint.
+    new: this run's config dict.
+    strict: also refuse changes of schedule, optimizer, data and other
+      fields that keep the state's shapes (placement fields stay allowed).
+    where: names the checkpoint in the messages.
+
+  Returns:
+    The "field: old -> new" lines of allowed changes other than placement
+    (the caller warns about them).
+
+  Raises:
+    ResumeConfigError: a shape field differs, or (strict) any non-placement
+      field does; the message lists each with its old and new value.
+  """
+  shape, _, other = resume_config_changes(saved, new)
+  if shape:
+    raise ResumeConfigError(
+        f"cannot resume {where}: these fields change the shapes of the saved "
+        "state:\n  " + "\n  ".join(shape) + "\nUse the saved values or a new "
+        "--workdir.")
+  if strict and other:
+    raise ResumeConfigError(
+        f"--strict_resume: the config differs from the one saved with "
+        f"{where}:\n  " + "\n  ".join(other) + "\nUse the saved values, "
+        "drop --strict_resume to accept the changes, or use a new --workdir.")
+  return other

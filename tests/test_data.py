@@ -283,6 +283,23 @@ def test_token_file_errors(tmp_path):
   (tmp_path / "empty.bin").write_bytes(b"")
   with pytest.raises(ValueError, match="empty"):
     data.load_token_file(str(tmp_path / "empty.bin"))
+  with pytest.raises(data.TokenFileError, match="data.path: .* not a regular"):
+    data.load_token_file(str(tmp_path))
+
+
+def test_unreadable_token_file_names_the_field(tmp_path, monkeypatch):
+  from moe_jax.data import token_file
+  path = tmp_path / "ids.bin"
+  path.write_bytes(b"\x00" * 8)
+
+  def denied(*args, **kwargs):
+    raise PermissionError(13, "Permission denied")
+  # chmod would not stop root (the tests may run as root): refuse the open.
+  monkeypatch.setattr(token_file, "open", denied, raising=False)
+  with pytest.raises(data.TokenFileError,
+                     match="data.val_path: cannot read token file .*ids.bin"
+                     ".*Permission denied"):
+    data.load_token_file(str(path), field="data.val_path")
 
 
 # ----- make_datasets -----

@@ -57,6 +57,19 @@ def test_bad_flag_names_the_flag_and_the_allowed_values(args, flag, allowed):
   assert flag in res.stderr and allowed in res.stderr, res.stderr[-2000:]
 
 
+def test_train_overrides_before_config_apply_and_errors_are_one_line(
+    tmp_path):
+  # (Run, not imported: experiments.train's flags would clash with other
+  # entry points' in this process.)
+  res = _run("experiments.train", "--config.train.steps=0",
+             f"--workdir={tmp_path / 'run'}", "--config",
+             "configs/default.py:tiny,smoke", "--config.train.log_every=1")
+  assert res.returncode == 1
+  assert res.stderr.strip() == ("error: train.steps must be in [1, inf], "
+                                "got 0"), res.stderr[-2000:]
+  assert not (tmp_path / "run").exists()
+
+
 def test_profile_kda_interpret_smoke(tmp_path):
   res = _run("experiments.profile_kda", "--interpret", "--b=1", "--t=80",
              "--h=1", "--d=32", "--configs=bounded:32", "--iters=1",

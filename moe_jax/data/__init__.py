@@ -21,11 +21,12 @@ from moe_jax.data.stdlib_corpus import VOCAB_SIZE
 from moe_jax.data.token_file import load_token_file
 from moe_jax.data.token_file import load_token_file_splits
 from moe_jax.data.token_file import TOKEN_DTYPES
+from moe_jax.data.token_file import TokenFileError
 
 __all__ = [
     "BOS", "EOS", "NUM_BYTES", "PAD", "SOURCES", "TOKEN_DTYPES", "TokenBatcher",
-    "VOCAB_SIZE", "eval_batches", "list_stdlib_files", "load_stdlib_splits",
-    "load_token_file", "load_token_file_splits", "make_datasets",
-    "num_eval_batches", "stdlib_root", "stdlib_split_info",
+    "TokenFileError", "VOCAB_SIZE", "eval_batches", "list_stdlib_files",
+    "load_stdlib_splits", "load_token_file", "load_token_file_splits",
+    "make_datasets", "num_eval_batches", "stdlib_root", "stdlib_split_info",
     "unigram_bits_per_byte",
 ]

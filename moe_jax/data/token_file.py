@@ -16,6 +16,14 @@ import numpy as np
 TOKEN_DTYPES = ("uint16", "uint32")
 
 
+class TokenFileError(OSError):
+  """A token file is missing or cannot be read; the message names the field."""
+
+
+class TokenFileNotFoundError(TokenFileError, FileNotFoundError):
+  """The token file does not exist."""
+
+
 def load_token_file(path: str, dtype: str = "uint16", *,
                     field: str = "data.path") -> np.ndarray:
   """Memory-maps a flat binary file of token ids (read-only).
@@ -31,14 +39,24 @@ def load_token_file(path: str, dtype: str = "uint16", *,
   Raises:
     ValueError: unknown dtype (names data.token_dtype), empty file, or a size
       that is not a multiple of the item size (names `field`).
-    FileNotFoundError: `path` does not exist.
+    TokenFileNotFoundError (a FileNotFoundError): `path` does not exist.
+    TokenFileError: `path` cannot be read (permissions, a directory, ...).
   """
   if dtype not in TOKEN_DTYPES:
     raise ValueError(
         f"data.token_dtype must be one of {list(TOKEN_DTYPES)}, got {dtype!r}")
   path = os.fspath(path)
+  if not os.path.exists(path):
+    raise TokenFileNotFoundError(f"{field}: token file not found: {path!r}")
   if not os.path.isfile(path):
-    raise FileNotFoundError(f"{field}: token file not found: {path!r}")
+    raise TokenFileError(f"{field}: token file {path!r} is not a regular "
+                         "file")
+  try:  # np.memmap's own error would not name the field.
+    with open(path, "rb"):
+      pass
+  except OSError as e:
+    raise TokenFileError(f"{field}: cannot read token file {path!r}: "
+                         f"{e.strerror or e}") from e
   itemsize = np.dtype(dtype).itemsize
   size = os.path.getsize(path)
   if size == 0:  # np.memmap cannot map an empty file.

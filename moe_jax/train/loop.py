@@ -1,13 +1,16 @@
 """The training loop, top to bottom: config -> data -> model -> steps.
 
 train_and_evaluate(config, workdir) validates the config, builds the data
-pipeline, model and optimizer, resumes from the latest checkpoint in workdir
-if there is one, trains, evaluates periodically, checkpoints periodically, on
-SIGTERM and at the end, and returns the last metrics.
+pipeline, model and optimizer, resumes from the newest checkpoint in workdir
+that verifies and restores (after comparing its config with this one),
+trains, evaluates periodically, checkpoints periodically, on SIGTERM and at
+the end, and returns the last metrics.
 """
 from __future__ import annotations
 
+import json
 import math
+import os
 import signal
 import time
 
@@ -18,7 +21,7 @@ import tqdm
 from absl import logging
 
 from moe_jax import sharding
-from moe_jax.config_validation import validate_config
+from moe_jax.config_validation import check_resume_config, validate_config
 from moe_jax.data import eval_batches, make_datasets, unigram_bits_per_byte
 from moe_jax.eval.evaluate import evaluate
 from moe_jax.eval.step import make_eval_step
@@ -30,8 +33,75 @@ from moe_jax.train.step import (abstract_train_state, init_train_state,
                                 make_train_step, train_state_shardings)
 
 
+# Exit status of a run stopped by SIGTERM after saving: EX_TEMPFAIL of
+# sysexits.h, "temporary failure, rerun" (a finished run exits 0).
+EXIT_PREEMPTED = 75
+
+
 class NonFiniteError(FloatingPointError):
-  """Loss or gradients became NaN/inf; the last good checkpoint is kept."""
+  """Loss or gradients became NaN/inf; the message names the last checkpoint."""
+
+
+class WorkdirError(NotADirectoryError):
+  """--workdir exists and is not a directory."""
+
+
+def _check_workdir(workdir: str) -> None:
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise WorkdirError(
+        f"workdir {workdir!r} is a file; give a directory (it is created if "
+        "missing)")
+
+
+def _non_finite_error(loss: float, step: int,
+                      ckpt: Checkpointer) -> NonFiniteError:
+  """The error for a non-finite loss or grad norm at `step`."""
+  last = ckpt.latest_step()
+  kept = (f"the last checkpoint is step {last} in {ckpt.directory}; a rerun "
+          "resumes from it" if last is not None else
+          f"no checkpoint was written yet in {ckpt.directory}")
+  return NonFiniteError(
+      f"non-finite loss ({loss}) or grad norm at step {step}; {kept}")
+
+
+def _restore(ckpt: Checkpointer, abstract_state, config, train_iter,
+             strict: bool):
+  """Restores the newest good checkpoint into abstract_state's layout.
+
+  Its saved config is compared with `config` first (ResumeConfigError for
+  changed shapes, or any non-placement change when `strict`); allowed
+  changes are logged. Returns the state, or None for an empty workdir.
+  """
+  new = config.to_dict()
+
+  def check(step, saved):
+    changed = check_resume_config(saved, new, strict=strict,
+                                  where=f"step {step} in {ckpt.directory}")
+    if changed:
+      logging.warning("Resuming with a config that differs from step %d's "
+                      "(--strict_resume refuses this): %s", step,
+                      "; ".join(changed))
+
+  try:
+    restored = ckpt.restore_latest(abstract_state, check_config=check)
+  except BaseException:
+    ckpt.close()  # Stops orbax's threads; they would log at exit otherwise.
+    raise
+  if restored is None:
+    return None
+  step, state, data_state, _ = restored
+  train_iter.set_state(data_state)
+  logging.info("Resumed from step %d in %s", step, ckpt.directory)
+  return state
+
+
+def _write_config(config: ml_collections.ConfigDict, workdir: str) -> None:
+  """This run's config as JSON in the workdir, instead of in the log."""
+  path = os.path.join(workdir, "config.json")
+  with open(path + ".tmp", "w") as f:
+    json.dump(config.to_dict(), f, indent=2, sort_keys=True)
+  os.replace(path + ".tmp", path)
+  logging.info("Config written to %s", path)
 
 
 class _SigtermFlag:
@@ -57,12 +127,28 @@ class _SigtermFlag:
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
-                       stop_at_step: int | None = None) -> dict:
+                       stop_at_step: int | None = None,
+                       strict_resume: bool = False) -> dict:
   """Trains config.train.steps steps (or up to stop_at_step) in workdir.
 
-  Returns the metrics of the last train log and the last evaluation.
+  Args:
+    config: the run's config (validated here).
+    workdir: checkpoints, metrics.jsonl, config.json and tensorboard/ go
+      here; a workdir with checkpoints is resumed.
+    stop_at_step: stop (after saving) at this step, keeping the schedule of
+      config.train.steps.
+    strict_resume: refuse to resume with any change of the config other
+      than placement fields (config_validation.PLACEMENT_FIELDS); without
+      it only fields that change the state's shapes are refused.
+
+  Returns:
+    The metrics of the last train log and the last evaluation, with "step"
+    (the step the run stopped at), "train_step" / "eval_step" (the steps
+    those metrics are from) and "preempted" (stopped by SIGTERM before the
+    last step; the CLI exits with EXIT_PREEMPTED).
   """
   validate_config(config)
+  _check_workdir(workdir)
   tcfg, mcfg = config.train, config.model
   is_chief = jax.process_index() == 0
 
@@ -104,20 +190,24 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     return sharding.shard_batch(local, batch_sh, config.data.batch_size)
 
   ckpt = Checkpointer(workdir, keep=tcfg.keep_checkpoints)
-  start = ckpt.latest_step()
-  if start is not None:
-    # Restored straight into this run's shardings, whatever mesh saved it
-    # (no init first: at scale the state would not fit twice).
-    state, data_state, _ = ckpt.restore(
-        start, with_shardings(abstract_state, state_sh))
-    train_iter.set_state(data_state)
-    logging.info("Resumed from step %d in %s", start, ckpt.directory)
-  else:
+  # Restored straight into this run's shardings, whatever mesh saved it
+  # (no init first: at scale the state would not fit twice).
+  state = _restore(ckpt, with_shardings(abstract_state, state_sh), config,
+                   train_iter, strict_resume)
+  if state is None:
     state = init_train_state(model, tx, rng, config.data.seq_len,
                              shardings=state_sh)
   start = int(state.step)
 
   writer = MetricsWriter(workdir, enabled=is_chief)
+  # Rows a killed run wrote past the restored step are written again below
+  # (a fresh start rewrites everything, the meta row included).
+  dropped = writer.drop_rows_after(start if start else -1)
+  if dropped:
+    logging.info("Dropped %d rows of %s past step %d", dropped, writer.path,
+                 start)
+  if is_chief:
+    _write_config(config, workdir)
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
   if start == 0:
     writer.write(0, {"num_params": n_params, "unigram_bpb": unigram_bpb},
@@ -160,9 +250,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     for (s, _), m in zip(pending, host):
       loss = float(m["loss"])
       if not (math.isfinite(loss) and math.isfinite(float(m["grad_norm"]))):
-        raise NonFiniteError(
-            f"non-finite loss ({loss}) or grad norm at step {s}; the last "
-            f"good checkpoint in {ckpt.directory} was kept")
+        raise _non_finite_error(loss, s, ckpt)
       # Router balance at every step (MaxVio_batch per layer).
       writer.write(s, {k: v for k, v in m.items()
                        if k.startswith("maxvio/")}, split="router")
@@ -203,4 +291,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   ckpt.close()
   writer.close()
   result["step"] = int(state.step)
+  result["preempted"] = sigterm.raised and result["step"] < last_step
+  result["train_step"] = writer.last_step.get("train")
+  result["eval_step"] = writer.last_step.get("eval")
   return result

@@ -1,7 +1,8 @@
 """Metrics sinks: JSON lines (metrics.jsonl) and TensorBoard event files.
 
 Only the writer of process 0 is enabled on multi-host runs; a disabled writer
-accepts calls and writes nothing.
+accepts calls and writes nothing. A resumed run first drops the rows past
+its restored step (`drop_rows_after`), so every step appears once.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ class MetricsWriter:
                tensorboard: bool = True):
     self.enabled = enabled
     self.path = os.path.join(workdir, "metrics.jsonl")
+    self.last_step: dict[str, int] = {}  # split -> step of its last row
     self._tb = None
     if enabled:
       os.makedirs(workdir, exist_ok=True)
@@ -41,6 +43,7 @@ class MetricsWriter:
 
   def write(self, step: int, metrics: Mapping[str, object],
             split: str = "train") -> None:
+    self.last_step[split] = int(step)
     if not self.enabled:
       return
     row = {"step": int(step), "split": split}
@@ -51,6 +54,32 @@ class MetricsWriter:
       for k, v in row.items():
         if k not in ("step", "split") and isinstance(v, (int, float)):
           self._tb.add_scalar(f"{split}/{k}", v, int(step))
+
+  def drop_rows_after(self, step: int) -> int:
+    """Rewrites metrics.jsonl without rows past `step`; returns how many.
+
+    A run killed after its last checkpoint wrote rows that the resumed run
+    writes again. Unparsable lines (a write cut short) are dropped too. The
+    file is replaced atomically.
+    """
+    if not self.enabled or not os.path.exists(self.path):
+      return 0
+    with open(self.path) as f:
+      lines = [line for line in f if line.strip()]
+    keep = []
+    for line in lines:
+      try:
+        if json.loads(line)["step"] <= step:
+          keep.append(line if line.endswith("\n") else line + "\n")
+      except (ValueError, KeyError, TypeError):
+        pass
+    if len(keep) == len(lines):
+      return 0
+    tmp = self.path + ".tmp"
+    with open(tmp, "w") as f:
+      f.writelines(keep)
+    os.replace(tmp, self.path)
+    return len(lines) - len(keep)
 
   def write_histogram(self, step: int, tag: str, values) -> None:
     if self.enabled and self._tb is not None:

@@ -587,6 +587,105 @@ def update_router_state(router_state: Mapping, router_stats: Mapping, *,
   return freeze(new) if frozen else new
 
 
+# ----------------------------------------------------------------------------
+# QB over a time window (model.moe.qb_window_steps, model.moe.qb_update_every).
+# ----------------------------------------------------------------------------
+
+# router_state[WINDOW_KEY]: the router_stats summed over the current window,
+# a tree like router_stats (load, qb_hist, qb_tokens). It sits next to the
+# routers' biases so that checkpoints carry it; the Router never reads it.
+WINDOW_KEY = "qb_window"
+
+
+def init_qb_window(stats_shapes: Mapping) -> dict:
+  """An empty window: zeros shaped like a `router_stats` tree.
+
+  Args:
+    stats_shapes: router_stats (arrays or ShapeDtypeStructs) of one step;
+      only the summed stats (`load`, `qb_hist`, `qb_tokens`) are allowed.
+
+  Returns:
+    The same tree of fp32 zeros (plain dicts).
+  """
+  def walk(node, path):
+    out = {}
+    for key, val in node.items():
+      if _is_mapping(val):
+        out[key] = walk(val, path + (key,))
+      elif key in _SUMMED_STATS:
+        out[key] = jnp.zeros(val.shape, jnp.float32)
+      else:
+        raise ValueError(
+            f"a QB window sums router stats over steps; {key!r} at "
+            f"{'/'.join(path)} cannot be summed (use qb_estimator="
+            "'histogram')")
+    return out
+  return walk(stats_shapes, ())
+
+
+def split_qb_window(router_state: Mapping) -> tuple[Mapping, Mapping | None]:
+  """(the routers' state without the window, the window or None)."""
+  if WINDOW_KEY not in router_state:
+    return router_state, None
+  rest = {k: v for k, v in router_state.items() if k != WINDOW_KEY}
+  if isinstance(router_state, FrozenDict):
+    rest = freeze(rest)
+  return rest, router_state[WINDOW_KEY]
+
+
+def qb_window_update(router_state: Mapping, router_stats: Mapping,
+                     step: jax.Array, *, window_steps: int,
+                     update_every: int, **update_kwargs) -> Mapping:
+  """One step of Quantile Balancing over a time window.
+
+  The bias is updated once per period of P = update_every steps, at the
+  period's last step (step % P == P - 1), from the stats summed over the
+  period's last W = window_steps steps (W <= P; the other steps' stats are
+  dropped). Within a period every step routes and bins with the same bias,
+  so the summed histogram is exactly the histogram of all the window's
+  tokens: as if they had come in one batch. The window restarts empty after
+  each update. Steps of the window are counted from `step`, so a resume from
+  a checkpoint (which carries step and the window) continues exactly.
+
+  Args:
+    router_state: `router_state` holding the routers' biases and the window
+      under WINDOW_KEY (`init_qb_window`).
+    router_stats: this step's `router_stats` (summed over shards and
+      microbatches already).
+    step: [] int, this step's index (TrainState.step before the increment).
+    window_steps: W >= 1 (static).
+    update_every: P >= W (static).
+    **update_kwargs: for `update_router_state` (method, ema, qb_range, ...).
+
+  Returns:
+    The new router_state, same structure and container kind.
+  """
+  if not 1 <= window_steps <= update_every:
+    raise ValueError(
+        f"qb_window_update needs 1 <= window_steps <= update_every, got "
+        f"window_steps={window_steps}, update_every={update_every}")
+  rest, window = split_qb_window(router_state)
+  if window is None:
+    raise ValueError(f"router_state has no {WINDOW_KEY!r} entry; build it "
+                     "with init_qb_window (train.step does when "
+                     "model.moe.qb_update_every > 1)")
+  stats = unfreeze(router_stats) if isinstance(router_stats,
+                                               FrozenDict) else router_stats
+  win = unfreeze(window) if isinstance(window, FrozenDict) else window
+  phase = jnp.asarray(step, jnp.int32) % update_every
+  collect = phase >= update_every - window_steps
+  summed = jax.tree.map(
+      lambda a, x: a + jnp.where(collect, x.astype(jnp.float32), 0.0),
+      win, stats)
+  updated = update_router_state(rest, summed, **update_kwargs)
+  done = phase == update_every - 1
+  # Routing keeps the old bias until the period ends.
+  new = jax.tree.map(lambda n, o: jnp.where(done, n, o), updated, rest)
+  new = unfreeze(new) if isinstance(new, FrozenDict) else dict(new)
+  new[WINDOW_KEY] = jax.tree.map(lambda a: jnp.where(done, 0.0, a), summed)
+  return freeze(new) if isinstance(router_state, FrozenDict) else new
+
+
 _SUMMED_STATS = ("load", "qb_hist", "qb_tokens")
 _AVERAGED_STATS = ("qb_target", "aux_loss")
 

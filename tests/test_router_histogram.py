@@ -11,10 +11,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from conftest import load_config
 from moe_jax.config_validation import ConfigError, validate_config
-from moe_jax.balancing import (accumulate_router_stats, expert_load,
-                               max_violation, qb_bias_update, qb_exact_target,
-                               qb_histogram, qb_min_tokens,
-                               qb_target_from_histogram, update_router_state,
+from moe_jax.balancing import (WINDOW_KEY, accumulate_router_stats,
+                               expert_load, init_qb_window, max_violation,
+                               qb_bias_update, qb_exact_target, qb_histogram,
+                               qb_min_tokens, qb_target_from_histogram,
+                               qb_window_update, update_router_state,
                                warn_few_qb_tokens)
 from moe_jax.layers.router import Router
 
@@ -271,3 +272,49 @@ def test_warns_once_when_too_few_tokens(caplog):
   assert "qb_window_steps" in msgs[0]
   # Traced token counts (inside jit) are left to the train step.
   jax.jit(lambda m: warn_few_qb_tokens(m, E_X, K_X) and m)(3.0)
+
+
+@functools.partial(jax.jit, static_argnames=("tokens", "window", "updates"))
+def _window_run(key, tokens, window, updates):
+  """Loads [updates, E_X] over each period of `window` steps of `tokens`.
+
+  The bias is updated once per period by balancing.qb_window_update (what
+  the train step runs for model.moe.qb_update_every = window) from the
+  period's summed histograms, at the config defaults.
+  """
+  moe = load_config("default.py").model.moe
+  off = 3.0 * jax.random.normal(jax.random.PRNGKey(42), (E_X,))
+
+  def body(carry, k):
+    state, step = carry
+    b = state["r"]["bias"]
+    s = jax.nn.sigmoid(jax.random.normal(k, (tokens, E_X)) + off)
+    load = expert_load(jax.lax.top_k(s + b, K_X)[1], E_X)
+    stats = {"r": {"load": load, "qb_tokens": jnp.float32(tokens),
+                   "qb_hist": qb_histogram(s, b, K_X, bins=moe.qb_bins,
+                                           qb_range=moe.qb_range)}}
+    state = qb_window_update(state, stats, step, window_steps=window,
+                             update_every=window, method="qb",
+                             qb_range=moe.qb_range, top_k=K_X)
+    return (state, step + 1), load
+
+  zeros = jnp.zeros((E_X,), jnp.float32)
+  state = {"r": {"bias": zeros}, WINDOW_KEY: init_qb_window(
+      {"r": {"load": zeros, "qb_tokens": jnp.float32(0),
+             "qb_hist": jnp.zeros((E_X, moe.qb_bins))}})}
+  _, loads = jax.lax.scan(body, (state, jnp.int32(0)),
+                          jax.random.split(key, updates * window))
+  return loads.reshape(updates, window, E_X).sum(1)
+
+
+def test_window_of_small_batches_balances_like_big_batches():
+  """512 tokens per step (q = 4.6, too few alone), windows of 8 steps."""
+  key = jax.random.PRNGKey(11)
+  vio = {name: np.asarray(max_violation(_window_run(key, m, w, 60)))
+         for name, m, w in (("big", 4096, 1), ("window", 512, 8),
+                            ("small", 512, 1))}
+  late = {name: float(v[30:].mean()) for name, v in vio.items()}
+  print("MaxVio over 4096 tokens, mean of updates 30-60:",
+        {k: round(v, 3) for k, v in late.items()})
+  assert late["window"] <= 1.25 * late["big"]
+  assert late["small"] > 1.25 * late["big"]   # what the window is for

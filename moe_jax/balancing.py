@@ -11,8 +11,13 @@ those statistics lives here:
   (`qb_exact_target`, `qb_target_from_smallest`), and the running q+1
   smallest per expert that gradient accumulation merges over microbatches
   (`init_smallest`, `merge_smallest`, `set_exact_targets`).
-* QB, histogram estimator: `qb_histogram` in the forward pass,
-  `qb_target_from_histogram` in the update.
+* QB, histogram estimator: `qb_histogram` in the forward pass (asinh bins
+  centred on the bias, finest where the target lands), and
+  `qb_target_from_histogram` in the update; `warn_few_qb_tokens` below
+  `qb_min_tokens` per update.
+* QB over a time window: `init_qb_window`, `split_qb_window`,
+  `qb_window_update` (histogram counts summed over steps, the bias updated
+  once per period).
 * The bias rules: `qb_bias_update`, `sign_bias_update`; the Switch loss
   (`switch_aux_loss`); MaxVio (`max_violation`).
 * Tree utilities over the variable collections below, which mirror the
@@ -21,7 +26,9 @@ those statistics lives here:
   `sum_aux_losses`.
 
 Collections (names shared with the Router):
-  router_state / bias [E] fp32: the balancing bias.
+  router_state / bias [E] fp32: the balancing bias; with a time window,
+    router_state / qb_window (WINDOW_KEY) holds the summed router_stats of
+    the current window (written by the train step, never by the Router).
   router_stats: `load` [E]; `qb_target` [E] (QB exact); `qb_hist` [E, bins]
     and `qb_tokens` [] (QB histogram); `aux_loss` [] (Switch loss).
   router_qb_thresholds / r [N, E] (QB exact, gradient accumulation only).

@@ -16,8 +16,8 @@ import pytest
 from conftest import assert_config_error, load_config
 from moe_jax.model import build_model
 from moe_jax.train.optimizer import make_optimizer, make_schedule
-from moe_jax.train.step import (init_train_state, make_train_step,
-                                split_microbatches)
+from moe_jax.train.step import (abstract_train_state, init_train_state,
+                                make_train_step, split_microbatches)
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -185,6 +185,11 @@ def test_qb_window_over_steps_equals_one_big_batch(tmp_path):
   _assert_tree_close(routers, want.router_state, "router_state")
   assert np.abs(np.asarray(bias[3])).max() > 1e-4
 
+  # The restore target of train.loop (abstract_train_state) has the window.
+  abstract = abstract_train_state(model, tx, jax.random.PRNGKey(0),
+                                  config.data.seq_len)
+  assert (jax.tree.structure(abstract.router_state)
+          == jax.tree.structure(state.router_state))
   # Resume inside the window: the checkpoint carries step and window.
   ckpt = Checkpointer(str(tmp_path))
   ckpt.save(2, states[2], {}, {})

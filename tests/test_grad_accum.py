@@ -185,6 +185,14 @@ def test_qb_window_over_steps_equals_one_big_batch(tmp_path):
   _assert_tree_close(routers, want.router_state, "router_state")
   assert np.abs(np.asarray(bias[3])).max() > 1e-4
 
+  # Microbatches inside the window's steps: the same counts, the same bias.
+  step_mb = jax.jit(make_train_step(model, tx, config.model.moe,
+                                    microbatches=2))
+  state_mb = state
+  for b in batches:
+    state_mb = step_mb(state_mb, b)[0]
+  _assert_tree_close(state_mb.router_state, states[3].router_state,
+                     "router_state with microbatches")
   # The restore target of train.loop (abstract_train_state) has the window.
   abstract = abstract_train_state(model, tx, jax.random.PRNGKey(0),
                                   config.data.seq_len)

@@ -89,6 +89,11 @@ def base_config() -> ml_collections.ConfigDict:
   moe.qb_estimator = "exact"    # exact (top-k over tokens) | histogram (binned, shard-exact)
   moe.qb_bins = 256             # histogram bins, [8, 65536]
   moe.qb_range = 4.0            # histogram window: r in [b_j - qb_range, b_j + qb_range]
+  # QB over a time window (histogram only): the bias is updated once every
+  # qb_update_every steps from the histograms of the period's last
+  # qb_window_steps steps, summed (1, 1: every step from its own batch).
+  moe.qb_window_steps = 1       # [1, qb_update_every]
+  moe.qb_update_every = 1       # >= 1
   moe.sign_rate = 1e-3          # sign-rule step u
   moe.aux_loss_coef = 1e-2      # Switch-style aux loss coefficient (balancing=aux)
 

@@ -178,6 +178,25 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   _one_of(config, "model.moe.qb_estimator", ("exact", "histogram"))
   _int_range(config, "model.moe.qb_bins", 8, 65536)
   _float_range(config, "model.moe.qb_range", 0.0, lo_open=True)
+  _int_range(config, "model.moe.qb_update_every", 1)
+  every = config.model.moe.qb_update_every
+  # A window cannot span two updates: the histogram is binned around the
+  # bias in use, and counts binned around different biases do not add up.
+  _int_range(config, "model.moe.qb_window_steps", 1)
+  if config.model.moe.qb_window_steps > every:
+    raise ConfigError(
+        "model.moe.qb_window_steps must be in [1, model.moe.qb_update_every="
+        f"{every}] (a window cannot span two bias updates), got "
+        f"{config.model.moe.qb_window_steps}")
+  if every > 1 and (config.model.moe.balancing != "qb"
+                    or config.model.moe.qb_estimator != "histogram"):
+    raise ConfigError(
+        "model.moe.qb_update_every > 1 (and qb_window_steps > 1) needs "
+        "model.moe.balancing='qb' with model.moe.qb_estimator='histogram' "
+        "(its counts add up exactly over steps), got balancing="
+        f"{config.model.moe.balancing!r}, qb_estimator="
+        f"{config.model.moe.qb_estimator!r}; allowed otherwise: "
+        "qb_update_every=1")
   _float_range(config, "model.moe.sign_rate", 0.0)
   _float_range(config, "model.moe.aux_loss_coef", 0.0)
 

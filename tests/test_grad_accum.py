@@ -16,8 +16,8 @@ import pytest
 from conftest import assert_config_error, load_config
 from moe_jax.model import build_model
 from moe_jax.train.optimizer import make_optimizer, make_schedule
-from moe_jax.train.step import (init_train_state, make_train_step,
-                                split_microbatches)
+from moe_jax.train.step import (abstract_train_state, init_train_state,
+                                make_train_step, split_microbatches)
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -136,3 +136,88 @@ def test_split_microbatches_is_strided():
 ])
 def test_bad_microbatches_error(value, match):
   assert_config_error("train.microbatches", value, match)
+
+
+def test_qb_window_over_steps_equals_one_big_batch(tmp_path):
+  """QB over a time window (model.moe.qb_window_steps / qb_update_every).
+
+  With the params frozen (zero updates), a period of 3 steps whose window
+  holds the last 2 must leave the bias of one plain step over those 2
+  batches at once (histogram counts add up exactly), keep the old bias in
+  between, and resume exactly from a checkpoint taken inside the window.
+  """
+  from moe_jax.balancing import WINDOW_KEY
+  from moe_jax.train.checkpoint import Checkpointer, abstract_like
+  config = _config("qb", "histogram")
+  tx = optax.set_to_zero()  # frozen params: the router scores stay put
+  rng = np.random.default_rng(2)
+  shape = (config.data.batch_size, config.data.seq_len)
+  batches = [{k: rng.integers(0, 256, shape).astype(np.int32)
+              for k in ("inputs", "targets")} for _ in range(3)]
+  big = jax.tree.map(lambda a, b: np.concatenate([a, b]), *batches[1:])
+
+  plain = init_train_state(build_model(config), tx, jax.random.PRNGKey(0),
+                           config.data.seq_len)
+  assert WINDOW_KEY not in plain.router_state   # defaults: no window
+  want, _ = jax.jit(make_train_step(build_model(config), tx,
+                                    config.model.moe))(plain, big)
+
+  config.model.moe.qb_window_steps = 2
+  config.model.moe.qb_update_every = 3
+  model = build_model(config)
+  state = init_train_state(model, tx, jax.random.PRNGKey(0),
+                           config.data.seq_len)
+  step = jax.jit(make_train_step(model, tx, config.model.moe))
+  states = [state]
+  for b in batches:
+    states.append(step(states[-1], b)[0])
+  win = [s.router_state[WINDOW_KEY]["layer_0_moe"]["router"]
+         for s in states]
+  bias = [s.router_state["layer_0_moe"]["router"]["bias"] for s in states]
+  # Step 0 is outside the window; step 1 fills it; step 2 updates, empties.
+  assert float(win[1]["qb_tokens"]) == 0.0
+  assert float(win[2]["qb_tokens"]) == np.prod(shape)
+  assert float(win[3]["qb_tokens"]) == 0.0
+  for b in bias[1:3]:
+    np.testing.assert_array_equal(np.asarray(b), np.asarray(bias[0]))
+  routers = {k: v for k, v in states[3].router_state.items()
+             if k != WINDOW_KEY}
+  _assert_tree_close(routers, want.router_state, "router_state")
+  assert np.abs(np.asarray(bias[3])).max() > 1e-4
+
+  # Microbatches inside the window's steps: the same counts, the same bias.
+  step_mb = jax.jit(make_train_step(model, tx, config.model.moe,
+                                    microbatches=2))
+  state_mb = state
+  for b in batches:
+    state_mb = step_mb(state_mb, b)[0]
+  _assert_tree_close(state_mb.router_state, states[3].router_state,
+                     "router_state with microbatches")
+  # The restore target of train.loop (abstract_train_state) has the window.
+  abstract = abstract_train_state(model, tx, jax.random.PRNGKey(0),
+                                  config.data.seq_len)
+  assert (jax.tree.structure(abstract.router_state)
+          == jax.tree.structure(state.router_state))
+  # Resume inside the window: the checkpoint carries step and window.
+  ckpt = Checkpointer(str(tmp_path))
+  ckpt.save(2, states[2], {}, {})
+  ckpt.wait()
+  restored, _, _ = ckpt.restore(2, abstract_like(states[2]))
+  ckpt.close()
+  resumed, _ = step(restored, batches[2])
+  _assert_tree_close(resumed.router_state, states[3].router_state,
+                     "resumed router_state")
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("model.moe.qb_update_every", 0,
+     r"model.moe.qb_update_every must be in \[1, inf\]"),
+    ("model.moe.qb_window_steps", 2,
+     r"model.moe.qb_window_steps must be in \[1, "
+     r"model.moe.qb_update_every=1\]"),
+    ("model.moe.qb_update_every", 4,
+     r"model.moe.qb_update_every > 1 .* needs model.moe.balancing='qb' with "
+     r"model.moe.qb_estimator='histogram'"),
+])
+def test_bad_qb_window_error(field, value, match):
+  assert_config_error(field, value, match)

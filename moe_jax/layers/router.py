@@ -34,7 +34,8 @@ import jax.numpy as jnp
 
 from moe_jax.balancing import (BALANCING_METHODS, QB_ESTIMATORS,
                                STATE_COLLECTION, STATS_COLLECTION,
-                               THRESHOLDS_COLLECTION, expert_load,
+                               QB_HIST_SCALE, THRESHOLDS_COLLECTION,
+                               expert_load,
                                qb_exact_target, qb_histogram, qb_thresholds,
                                switch_aux_loss)
 from moe_jax.layers.param_axes import with_axes
@@ -42,7 +43,7 @@ from moe_jax.layers.param_axes import with_axes
 
 def _validate(num_experts: int, top_k: int, balancing: str,
               qb_estimator: str = "exact", qb_bins: int = 256,
-              qb_range: float = 4.0) -> None:
+              qb_range: float = 4.0, qb_scale: float = QB_HIST_SCALE) -> None:
   if qb_estimator not in QB_ESTIMATORS:
     raise ValueError(
         f"qb_estimator must be one of {QB_ESTIMATORS}, got {qb_estimator!r}")
@@ -50,6 +51,8 @@ def _validate(num_experts: int, top_k: int, balancing: str,
     raise ValueError(f"qb_bins must be in [8, 65536], got {qb_bins}")
   if not qb_range > 0:
     raise ValueError(f"qb_range must be > 0, got {qb_range}")
+  if not qb_scale >= 0:
+    raise ValueError(f"qb_scale must be >= 0, got {qb_scale}")
   if num_experts < 1:
     raise ValueError(f"num_experts must be >= 1, got {num_experts}")
   if not 1 <= top_k <= num_experts:
@@ -79,6 +82,9 @@ class Router(nn.Module):
     qb_bins: histogram bins, in [8, 65536].
     qb_range: histogram window half-width R > 0: bins cover r in
       [b_j - R, b_j + R] around each expert's current bias.
+    qb_scale: c >= 0 of the histogram's asinh bins (finest at the bias);
+      0 = uniform bins. The update must use the same (balancing.QB_HIST_SCALE
+      on both sides by default).
     dtype: dtype the scores are computed in (fp32 by design).
     kernel_init: init of the `kernel` param [D, E].
   """
@@ -90,6 +96,7 @@ class Router(nn.Module):
   qb_estimator: str = "exact"
   qb_bins: int = 256
   qb_range: float = 4.0
+  qb_scale: float = QB_HIST_SCALE
   dtype: Any = jnp.float32
   kernel_init: Callable = nn.initializers.variance_scaling(
       1.0, "fan_in", "truncated_normal")
@@ -107,7 +114,7 @@ class Router(nn.Module):
         flows into the router kernel through the unbiased scores.
     """
     _validate(self.num_experts, self.top_k, self.balancing,
-              self.qb_estimator, self.qb_bins, self.qb_range)
+              self.qb_estimator, self.qb_bins, self.qb_range, self.qb_scale)
     if x.ndim != 2:
       raise ValueError(f"Router expects [N, D], got shape {x.shape}")
     e, k = self.num_experts, self.top_k
@@ -132,7 +139,8 @@ class Router(nn.Module):
                     lambda: jnp.zeros((e,), jnp.float32)).value = load
       if self.balancing == "qb" and self.qb_estimator == "histogram":
         hist = qb_histogram(s, b, k, bins=self.qb_bins,
-                            qb_range=self.qb_range)               # [E, bins]
+                            qb_range=self.qb_range,
+                            qb_scale=self.qb_scale)               # [E, bins]
         self.variable(STATS_COLLECTION, "qb_hist", lambda: jnp.zeros(
             (e, self.qb_bins), jnp.float32)).value = hist
         self.variable(STATS_COLLECTION, "qb_tokens",

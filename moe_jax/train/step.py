@@ -3,7 +3,10 @@
 The order inside one step is the contract of Quantile Balancing
 (docs/design.md §6): route with the old router bias, take the gradient and
 the optimizer step, then apply the router-bias update from the statistics
-the forward emitted (moe_jax/balancing.py). The eval step is in moe_jax/eval/.
+the forward emitted (moe_jax/balancing.py). With model.moe.qb_update_every
+> 1 the statistics are summed over a window of steps in router_state and the
+bias changes only at the end of each period. The eval step is in
+moe_jax/eval/.
 """
 from __future__ import annotations
 
@@ -33,17 +36,45 @@ class TrainState:
   router_state: PyTree
 
 
+def qb_window_config(moe_cfg) -> tuple[int, int]:
+  """(qb_window_steps, qb_update_every) of a moe config; (1, 1) if absent."""
+  get = (moe_cfg.get if hasattr(moe_cfg, "get")
+         else lambda k, d: getattr(moe_cfg, k, d))
+  return int(get("qb_window_steps", 1)), int(get("qb_update_every", 1))
+
+
+def _router_state(model: nn.Module, variables: PyTree, tokens: jax.Array
+                  ) -> PyTree:
+  """The model's router_state, plus the empty QB window when it has one.
+
+  The window (balancing.WINDOW_KEY) is created when the model's config
+  (`model.cfg.moe`) asks for qb_update_every > 1: shaped like one step's
+  router_stats, which do not depend on the token count.
+  """
+  router_state = variables.get("router_state", {})
+  cfg = getattr(model, "cfg", None)
+  if cfg is None or qb_window_config(cfg.moe)[1] == 1:
+    return router_state
+  stats = jax.eval_shape(lambda: model.apply(
+      variables, tokens, mutable=[STATS_COLLECTION])[1][STATS_COLLECTION])
+  out = dict(flax.core.unfreeze(router_state))
+  out[balancing.WINDOW_KEY] = balancing.init_qb_window(
+      flax.core.unfreeze(stats))
+  return out
+
+
 def _init_fn(model: nn.Module, tx: optax.GradientTransformation,
              seq_len: int, boxed: bool = False
              ) -> Callable[[jax.Array], TrainState]:
   """init(rng) -> TrainState; params unboxed (plain arrays) unless boxed."""
   def init(rng):
-    variables = model.init(rng, jnp.zeros((1, seq_len), jnp.int32))
+    tokens = jnp.zeros((1, seq_len), jnp.int32)
+    variables = model.init(rng, tokens)
     params = nn.meta.unbox(variables["params"])
     return TrainState(step=jnp.zeros((), jnp.int32),
                       params=variables["params"] if boxed else params,
                       opt_state=tx.init(params),
-                      router_state=variables.get("router_state", {}))
+                      router_state=_router_state(model, variables, tokens))
   return init
 
 
@@ -88,9 +119,10 @@ def init_train_state(model: nn.Module, tx: optax.GradientTransformation,
   if shardings is not None:
     return jax.jit(_init_fn(model, tx, seq_len), out_shardings=shardings)(rng)
   # Jitted: eager init would dispatch every op of the model one by one.
-  variables = jax.jit(model.init)(rng, jnp.zeros((1, seq_len), jnp.int32))
+  tokens = jnp.zeros((1, seq_len), jnp.int32)
+  variables = jax.jit(model.init)(rng, tokens)
   params = nn.meta.unbox(variables["params"])
-  router_state = variables.get("router_state", {})
+  router_state = _router_state(model, variables, tokens)
   return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                     opt_state=tx.init(params), router_state=router_state)
 
@@ -199,19 +231,37 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation,
   microbatches > 1 accumulates gradients and router statistics over that
   many passes (`make_grad_fn`); the optimizer step and the router-bias update
   run once, after all of them.
+
+  moe_cfg.qb_update_every = P > 1 (QB histogram only): the stats of the last
+  qb_window_steps = W steps of each period are summed in
+  router_state[balancing.WINDOW_KEY] and the bias is updated at the period's
+  last step (`balancing.qb_window_update`); the state must come from
+  `init_train_state` of a model whose cfg has the same P.
   """
   grad_fn = make_grad_fn(model, moe_cfg, microbatches)
+  window_steps, update_every = qb_window_config(moe_cfg)
+  update_kwargs = dict(method=moe_cfg.balancing, ema=moe_cfg.qb_ema,
+                       sign_rate=moe_cfg.sign_rate, qb_range=moe_cfg.qb_range,
+                       top_k=moe_cfg.top_k)
 
   def train_step(state: TrainState, batch: dict):
-    (loss, ce, aux, stats), grads = grad_fn(state.params, state.router_state,
-                                            batch)
+    if moe_cfg.balancing == "qb":
+      # Static at trace time: warns once per compiled batch shape.
+      balancing.warn_few_qb_tokens(
+          math.prod(batch["inputs"].shape) * window_steps,
+          moe_cfg.num_experts, moe_cfg.top_k)
+    routers, _ = balancing.split_qb_window(state.router_state)
+    (loss, ce, aux, stats), grads = grad_fn(state.params, routers, batch)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     # After the optimizer step, outside the gradient: the router bias update.
-    router_state = balancing.update_router_state(
-        state.router_state, stats, method=moe_cfg.balancing,
-        ema=moe_cfg.qb_ema, sign_rate=moe_cfg.sign_rate,
-        qb_range=moe_cfg.qb_range, top_k=moe_cfg.top_k)
+    if update_every > 1:
+      router_state = balancing.qb_window_update(
+          state.router_state, stats, state.step, window_steps=window_steps,
+          update_every=update_every, **update_kwargs)
+    else:
+      router_state = balancing.update_router_state(
+          state.router_state, stats, **update_kwargs)
     metrics = {"loss": loss, "ce": ce, "bpb": ce / LN2, "aux_loss": aux,
                "grad_norm": global_norm(grads),
                "param_norm": global_norm(params)}

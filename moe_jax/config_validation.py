@@ -302,6 +302,8 @@ STATE_SHAPE_FIELDS = frozenset({
     "model.moe.num_experts", "model.moe.d_expert", "model.moe.num_shared",
     "model.moe.d_shared", "model.moe.expert_latent_dim",
     "model.moe.first_dense_layers", "model.moe.d_dense",
+    # > 1 adds the QB window's statistics to router_state.
+    "model.moe.qb_update_every",
 })
 
 # Fields that change only how or where the same state is computed, or what

@@ -113,6 +113,9 @@ _OTHER_VALUES = {
     "model.moe.d_dense": (64, {"model.moe.first_dense_layers": 1}),
     "model.moe.dispatch": ("loop", {}), "model.moe.balancing": ("sign", {}),
     "model.moe.grouped_matmul": ("ragged_dot", {}),
+    "model.moe.qb_update_every": (2, {"model.moe.qb_estimator": "histogram"}),
+    "model.moe.qb_window_steps": (2, {"model.moe.qb_estimator": "histogram",
+                                      "model.moe.qb_update_every": 2}),
     "model.remat": ("sublayer", {}),
     "model.moe.qb_ema": (0.5, {}), "model.moe.qb_estimator": (
         "histogram", {}), "model.moe.qb_bins": (64, {}),

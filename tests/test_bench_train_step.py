@@ -2,7 +2,7 @@
 import math
 
 from conftest import load_config
-from experiments import bench_train_step as bench
+from experiments import step_timing as bench
 
 
 def test_row_reports_time_memory_flops_and_losses():

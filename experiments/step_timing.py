@@ -1,0 +1,173 @@
+"""The training-step benchmark's measuring code, free of absl flags.
+
+experiments/bench_train_step.py is the command (flags, one process per row,
+the printed table); this module holds what it runs, so tests and notebooks
+can import it beside other experiment modules without their flags clashing.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) by device-name part.
+PEAKS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0, "A100": 312.0}
+
+
+def peak_tflops(device_kind: str, override: float = 0.0) -> float | None:
+  """override if set, else the card's peak from PEAKS, else None (a CPU)."""
+  if override:
+    return override
+  for name, peak in PEAKS.items():
+    if name in device_kind:
+      return peak
+  return None
+
+
+def row_name(r: dict) -> str:
+  return (f"T{r['seq_len']}_{r['backend']}_{r['attention']}_"
+          f"{r['grouped_matmul']}_{r['remat']}")
+
+
+def configure(config, r: dict):
+  """A validated copy of config with the row's settings."""
+  from moe_jax.config_validation import validate_config
+  c = config.copy_and_resolve_references()
+  c.data.seq_len, c.data.batch_size = r["seq_len"], r["batch"]
+  c.model.kda.backend = r["backend"]
+  c.model.mla.attention_impl = r["attention"]
+  c.model.moe.grouped_matmul = r["grouped_matmul"]
+  c.model.remat = r["remat"]
+  c.train.microbatches = 1
+  validate_config(c)
+  return c
+
+
+def run_row(config, r: dict, steps: int, warmup: int, profile_dir: str | None,
+            config_name: str = "", peak_override: float = 0.0) -> dict:
+  """Compiles and times one row in this process; returns its JSON row."""
+  import jax
+  import numpy as np
+  from moe_jax import sharding
+  from moe_jax.data import make_datasets
+  from moe_jax.model import build_model
+  from moe_jax.planning import plan
+  from moe_jax.train.optimizer import make_optimizer, make_schedule
+  from moe_jax.train.step import (abstract_train_state, init_train_state,
+                                  make_train_step, train_state_shardings)
+
+  c = configure(config, r)
+  train_iter, _, _, _ = make_datasets(dict(c.data.to_dict(), seed=c.seed))
+  batches = [next(train_iter) for _ in range(warmup + steps)]
+  mesh = sharding.make_mesh(c.mesh)
+  rules = c.mesh.rules
+  model, tx = build_model(c), make_optimizer(c.train)
+  rng = jax.random.PRNGKey(c.seed)
+  abstract = abstract_train_state(model, tx, rng, c.data.seq_len)
+  state_sh = train_state_shardings(abstract, tx, mesh, rules)
+  batch_sh = sharding.batch_sharding(mesh, rules,
+                                     (c.data.batch_size, c.data.seq_len))
+  step_fn = sharding.jit_in_mesh(
+      make_train_step(model, tx, c.model.moe, make_schedule(c.train)), mesh,
+      in_shardings=(state_sh, batch_sh),
+      out_shardings=(state_sh, sharding.replicated(mesh)), donate_argnums=(0,))
+  state = init_train_state(model, tx, rng, c.data.seq_len, shardings=state_sh)
+  put = lambda b: sharding.shard_batch(b, batch_sh, c.data.batch_size)  # noqa: E731
+
+  t0 = time.perf_counter()
+  compiled = step_fn.lower(state, put(batches[0])).compile()
+  compile_s = time.perf_counter() - t0
+  losses, times = [], []
+  for i, b in enumerate(batches):
+    b = put(b)
+    jax.block_until_ready(b)
+    t0 = time.perf_counter()
+    state, metrics = compiled(state, b)
+    loss = float(metrics["loss"])   # waits for the step
+    times.append(time.perf_counter() - t0)
+    losses.append(loss)
+  if profile_dir:
+    b = put(batches[-1])
+    with jax.profiler.trace(profile_dir):
+      state, metrics = compiled(state, b)
+      jax.block_until_ready(metrics)
+  step_s = statistics.median(times[warmup:])
+  tokens = c.data.batch_size * c.data.seq_len
+  flops = plan(c, {}, seq_len=c.data.seq_len,
+               global_batch=c.data.batch_size)["flops_per_token"]
+  dev = jax.devices()[0]
+  peak = peak_tflops(dev.device_kind, peak_override)
+  mem = dev.memory_stats() or {}
+  n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
+  return dict(
+      r, config=config_name, device=dev.device_kind,
+      jax=jax.__version__, step_ms=1e3 * step_s,
+      tokens_per_sec=tokens / step_s,
+      model_tflop_per_token=flops["train_model"] / 1e12,
+      tflops=flops["train_model"] * tokens / step_s / 1e12,
+      peak_tflops=peak,
+      mfu=(flops["train_model"] * tokens / step_s / (peak * 1e12)
+           if peak else None),
+      peak_gib=(mem["peak_bytes_in_use"] / 2**30
+                if "peak_bytes_in_use" in mem else None),
+      compile_s=compile_s, params=n_params, losses=losses,
+      step_ms_all=[1e3 * t for t in times])
+
+
+def top_ops(trace_dir: str, top: int) -> list[tuple[str, float, int]]:
+  """(op name, total ms, count) of the busiest device ops in a trace.
+
+  Reads the XSpace the profiler wrote; on a GPU the device plane's "XLA
+  Ops" line holds one event per HLO op (fusions, custom calls such as the
+  Pallas kernels, cuBLAS GEMMs).
+  """
+  import glob
+  import collections
+  from jax.profiler import ProfileData
+  files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"),
+                    recursive=True)
+  if not files:
+    return []
+  data = ProfileData.from_file(files[0])
+  total: dict[str, float] = collections.defaultdict(float)
+  count: dict[str, int] = collections.Counter()
+  planes = [p for p in data.planes if p.name.startswith("/device:")]
+  has_ops = any(ln.name == "XLA Ops" for p in planes for ln in p.lines)
+  for plane in planes:
+    for line in plane.lines:
+      # Without an "XLA Ops" line, the kernels of every stream line.
+      if (line.name != "XLA Ops") if has_ops else (
+          line.name in ("XLA Modules", "Steps", "XLA TraceMe")):
+        continue
+      for ev in line.events:
+        total[ev.name] += ev.duration_ns / 1e6
+        count[ev.name] += 1
+  ranked = sorted(total.items(), key=lambda kv: -kv[1])[:top]
+  return [(name, ms, count[name]) for name, ms in ranked]
+
+
+def table(rows: list[dict]) -> str:
+  """Markdown table of the rows (loss gap: to the previous row, same T)."""
+  head = ("| config | T x B | kda | attention | gmm | remat | step ms | "
+          "tokens/s | TFLOP/s | MFU | peak GiB | compile s | loss gap |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+  out, prev = [], {}
+  for r in rows:
+    lead = (f"| {r.get('config', '')} | {r['seq_len']} x {r['batch']} | "
+            f"{r['backend']} | {r['attention']} | {r['grouped_matmul']} | "
+            f"{r['remat']} ")
+    if "error" in r:
+      out.append(lead + f"| {r['error']} |" + " |" * 6)
+      continue
+    gap = ""
+    p = prev.get(r["seq_len"])
+    if p is not None:
+      n = min(len(p["losses"]), len(r["losses"]))
+      gap = f"{max(abs(a - b) / abs(b) for a, b in zip(r['losses'][:n], p['losses'][:n])):.1e}"
+    prev[r["seq_len"]] = r
+    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    out.append(lead + f"| {r['step_ms']:.1f} | {r['tokens_per_sec']:,.0f} | "
+               f"{r['tflops']:.1f} | {fmt(r['mfu'], '.1%')} | "
+               f"{fmt(r['peak_gib'], '.1f')} | {r['compile_s']:.0f} | "
+               f"{gap} |")
+  return head + "\n".join(out) + "\n"

@@ -180,3 +180,20 @@ def test_prompt_longer_than_the_cache_is_an_error(nope):
                      "cache of T_max=8"):
     jax.eval_shape(lambda: decode.prefill(model, params, router_state, cache,
                                           prompt))
+
+
+def test_generate_script_restores_the_smoke_run(smoke_run):
+  from experiments import generate as script
+  _, workdir, _ = smoke_run
+  res = script.continue_prompt(workdir, "def f(x):\n", 5, temperature=0.7,
+                               top_k=20, seed=1)
+  assert res["step"] == 6 and res["tokens"].shape == (5,)
+  assert res["tokens_per_sec"] > 0 and isinstance(res["text"], str)
+  again = script.continue_prompt(workdir, "def f(x):\n", 5, step=3)
+  assert again["step"] == 3
+  with pytest.raises(ValueError, match=r"no checkpoint of step 4 in .*; "
+                     r"saved steps: \[3, 6\]"):
+    script.load_checkpoint(workdir, step=4)
+  with pytest.raises(ValueError, match="prompt of 11 tokens is longer than "
+                     "the cache"):
+    script.continue_prompt(workdir, "def f(x):\n", 2, cache_size=8)

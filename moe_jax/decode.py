@@ -15,8 +15,8 @@ The model's decode mode (HybridLM(..., decode=True), docs/design.md
     logits, cache = decode_step(model, params, router_state, cache, token)
     tokens = generate(model, params, router_state, prompt, n, rng, ...)
 
-A prefill runs the chunked KDA op from the cached state (zeros for a fresh
-cache) and writes the prompt's latents; a step runs ops.kda_step and one
+A prefill runs the chunked KDA op from the cached state (zeros for a new
+sequence) and writes the prompt's latents; a step runs ops.kda_step and one
 more latent. Router biases are read from router_state; the router's
 training statistics are not emitted (router_stats is not mutable here).
 """
@@ -55,10 +55,17 @@ def init_cache(model: nn.Module, params: PyTree, router_state: PyTree,
 
 
 def prefill(model: nn.Module, params: PyTree, router_state: PyTree,
-            cache: PyTree, tokens: jax.Array) -> tuple[jax.Array, PyTree]:
-  """Runs tokens [B, T] from the cache; (logits fp32 [B, T, V], cache)."""
+            cache: PyTree, tokens: jax.Array, *, new_sequence: bool = False
+            ) -> tuple[jax.Array, PyTree]:
+  """Runs tokens [B, T] from the cache; (logits fp32 [B, T, V], cache).
+
+  new_sequence: the tokens start a new sequence (the cache's contents are
+  ignored); its MLA layers then attend with the training path over the T
+  tokens instead of scoring them against all T_max cache slots.
+  """
   logits, mutated = model.apply(_variables(params, router_state, cache),
-                                tokens, decode=True, mutable=[CACHE])
+                                tokens, decode=True, new_sequence=new_sequence,
+                                mutable=[CACHE])
   return logits, mutated[CACHE]
 
 
@@ -154,7 +161,8 @@ def _generate(model, params, router_state, prompt, rng, *, max_new_tokens,
                              top_k=top_k, top_p=top_p)
   cache = init_cache(model, params, router_state, prompt.shape[0],
                      cache_size)
-  logits, cache = prefill(model, params, router_state, cache, prompt)
+  logits, cache = prefill(model, params, router_state, cache, prompt,
+                          new_sequence=True)
   first = sample(logits[:, -1], jax.random.fold_in(rng, 0))
   out = jnp.zeros((prompt.shape[0], max_new_tokens), jnp.int32)
   out = out.at[:, 0].set(first)

@@ -116,13 +116,17 @@ class HybridLM(nn.Module):
         name=f"layer_{i}_moe")
 
   @nn.compact
-  def __call__(self, tokens: jax.Array, decode: bool = False) -> jax.Array:
+  def __call__(self, tokens: jax.Array, decode: bool = False,
+               new_sequence: bool = False) -> jax.Array:
     """tokens: int [B, T] -> logits fp32 [B, T, vocab_size].
 
     decode: the tokens continue the sequence held in the `cache` collection
       (apply with mutable=["cache"]), which is updated: a prefill (T > 1)
       or one step (T == 1). The MoE and Block AttnRes are per token and run
       unchanged. See moe_jax/decode.py.
+    new_sequence (with decode): the tokens start a new sequence in the
+      cache (KDA from zero states, MLA over these tokens only, with the
+      training attention).
     """
     c = self.cfg
     dtype = _DTYPES[c.dtype]
@@ -147,7 +151,8 @@ class HybridLM(nn.Module):
     for i, kind in enumerate(layer_kinds(c)):
       mixer = self._mixer(kind, i, decode)
       sublayers.append((f"layer_{i}_mixer_norm",
-                        lambda y, f=mixer: f(y, decode) if decode else f(y)))
+                        lambda y, f=mixer: f(y, decode, new_sequence)
+                        if decode else f(y)))
       sublayers.append((f"layer_{i}_ffn_norm", self._ffn(i, decode)))
 
     if c.residual == "standard":

@@ -56,8 +56,11 @@ def test_prefill_then_steps_match_full_forward(tiny):
   full = np.asarray(_forward(model)(params, router_state, tokens))
 
   cache = decode.init_cache(model, params, router_state, 2, SEQ)
-  prefill = jax.jit(lambda p, s, c, t: decode.prefill(model, p, s, c, t))
   step = jax.jit(lambda p, s, c, t: decode.decode_step(model, p, s, c, t))
+  # A new sequence (as generate prefills) in a cache holding another one.
+  cache = jax.tree.map(lambda c: c + 1, cache)
+  prefill = jax.jit(lambda p, s, c, t: decode.prefill(
+      model, p, s, c, t, new_sequence=True))
   logits, cache = prefill(params, router_state, cache, tokens[:, :PREFIX])
   got = [np.asarray(logits)]
   for t in range(PREFIX, SEQ):
@@ -70,7 +73,8 @@ def test_prefill_then_steps_match_full_forward(tiny):
 
 
 def test_prefill_continues_from_a_cache(nope):
-  """Two prefills (the first shorter than the conv tail) == one forward."""
+  """Two prefills continuing a cache (the first shorter than the conv tail,
+  the second scored against the latent cache) == one forward."""
   model, params, router_state = nope
   tokens = jax.random.randint(jax.random.PRNGKey(4), (2, PREFIX), 0, 256)
   full = np.asarray(_forward(model)(params, router_state, tokens))

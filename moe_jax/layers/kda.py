@@ -133,13 +133,15 @@ class KDA(nn.Module):
   param_dtype: jnp.dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, x: jax.Array, decode: bool = False) -> jax.Array:
+  def __call__(self, x: jax.Array, decode: bool = False,
+               new_sequence: bool = False) -> jax.Array:
     """x: [B, T, D] -> [B, T, D].
 
     decode: continue from the `cache` collection (make it mutable) and
       update it: T > 1 (prefill) runs the chunked op from the cached state,
       T == 1 one recurrent step (ops.kda_step). The cache is created with
-      zeros (a fresh sequence) when absent.
+      zeros when absent.
+    new_sequence (with decode): start from zeros, whatever the cache held.
     """
     b, t, _ = x.shape
     h = self.num_heads
@@ -159,7 +161,8 @@ class KDA(nn.Module):
       if decode:
         tail = self.variable("cache", f"{name}_conv_tail", jnp.zeros,
                              (b, self.conv_size - 1, h * dk), proj.dtype)
-        y, tail.value = causal_depthwise_conv(proj, kernel, tail.value)
+        y, tail.value = causal_depthwise_conv(
+            proj, kernel, None if new_sequence else tail.value)
       else:
         y, _ = causal_depthwise_conv(proj, kernel)
       return jax.nn.silu(y).reshape(b, t, h, dk)
@@ -189,14 +192,13 @@ class KDA(nn.Module):
     if decode:
       state = self.variable("cache", "state", jnp.zeros, (b, h, dk, dk),
                             jnp.float32)
-      if t == 1:
+      s0 = None if new_sequence else state.value
+      if t == 1 and s0 is not None:
         o, state.value = kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0],
-                                  beta[:, 0], state.value,
-                                  backend=self.backend)
+                                  beta[:, 0], s0, backend=self.backend)
         o = o[:, None]
       else:
-        o, state.value = kda_op(q, k, v, g, beta, initial_state=state.value,
-                                **op_kw)
+        o, state.value = kda_op(q, k, v, g, beta, initial_state=s0, **op_kw)
     elif n_ctx > 1 and t % n_ctx == 0:
       # Sequence split over the context axis: local chunks + an exchange of
       # per-device [K, K] / [K, V] state transitions (context_parallel.py).

@@ -201,3 +201,20 @@ def test_generate_script_restores_the_smoke_run(smoke_run):
   with pytest.raises(ValueError, match="prompt of 11 tokens is longer than "
                      "the cache"):
     script.continue_prompt(workdir, "def f(x):\n", 2, cache_size=8)
+
+
+def test_bench_decode_rows_hybrid_against_all_mla():
+  from experiments import bench_decode
+  rows = []
+  for pattern in ("KM", "M"):
+    config = load_config("default.py", "tiny,smoke")
+    config.model.layer_pattern = pattern
+    rows.append(bench_decode.bench_row(config, 64, batch=1, steps=2))
+  hybrid, all_mla = rows
+  assert hybrid["kda_cache_bytes"] > 0 and all_mla["kda_cache_bytes"] == 0
+  r = load_config("default.py", "tiny,smoke").model.mla.kv_lora_rank
+  assert all_mla["mla_cache_bytes"] == 2 * (64 * r * 4 + 4)  # 2 MLA layers
+  assert hybrid["mla_cache_bytes"] == all_mla["mla_cache_bytes"] // 2
+  assert all(row["ms_per_token"] > 0 for row in rows)
+  text = bench_decode.table(rows)
+  assert "| KM | 64 |" in text and text.count("| 1.00 | 1.00 |") == 1

@@ -97,41 +97,48 @@ def cache_report(cache: PyTree) -> list[dict]:
   return rows
 
 
+def check_sampling(vocab_size: int, temperature: float, top_k: int,
+                   top_p: float) -> None:
+  """ValueError naming the setting out of its range."""
+  if not temperature >= 0:
+    raise ValueError(f"temperature must be >= 0, got {temperature}")
+  if not 0 <= top_k <= vocab_size:
+    raise ValueError(f"top_k must be in [0, vocab_size={vocab_size}], got "
+                     f"{top_k}")
+  if not 0.0 < top_p <= 1.0:
+    raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
 def sample_logits(logits: jax.Array, rng: jax.Array, *,
-                  temperature: float = 0.0, top_k: int = 0,
-                  top_p: float = 1.0) -> jax.Array:
+                  temperature: float | jax.Array = 0.0,
+                  top_k: int | jax.Array = 0,
+                  top_p: float | jax.Array = 1.0) -> jax.Array:
   """Next tokens int32 [B] from logits [B, V].
 
   temperature == 0: greedy (argmax). Otherwise sampling from
   softmax(logits / temperature), restricted to the top_k most likely tokens
   (0 = all) and then to the smallest set whose probability reaches top_p
-  (1.0 = all; the most likely token is always kept).
+  (1.0 = all; the most likely token is always kept). Ties at a cut are
+  kept. The settings may be traced scalars: one compiled program serves
+  them all (python numbers are range-checked here).
   """
-  if temperature < 0:
-    raise ValueError(f"temperature must be >= 0, got {temperature}")
-  if top_k < 0 or top_k > logits.shape[-1]:
-    raise ValueError(f"top_k must be in [0, vocab_size={logits.shape[-1]}], "
-                     f"got {top_k}")
-  if not 0.0 < top_p <= 1.0:
-    raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+  v = logits.shape[-1]
+  if all(isinstance(a, (int, float)) for a in (temperature, top_k, top_p)):
+    check_sampling(v, temperature, top_k, top_p)
   logits = logits.astype(jnp.float32)
-  if temperature == 0.0:
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  logits = logits / temperature
-  if top_k:
-    kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
-    logits = jnp.where(logits < kth, -jnp.inf, logits)
-  if top_p < 1.0:
-    order = jnp.argsort(-logits, axis=-1)
-    sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    # Keep a token while the mass before it is below top_p.
-    before = jnp.cumsum(probs, axis=-1) - probs
-    keep_sorted = before < top_p
-    keep = jnp.zeros_like(keep_sorted).at[
-        jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
-    logits = jnp.where(keep, logits, -jnp.inf)
-  return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
+  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  scaled = logits / jnp.maximum(temperature, 1e-6)
+  desc = -jnp.sort(-scaled, axis=-1)                             # [B, V]
+  k = jnp.where(top_k > 0, top_k, v)
+  kth = jax.lax.dynamic_slice_in_dim(desc, k - 1, 1, axis=-1)    # [B, 1]
+  desc = jnp.where(desc < kth, -jnp.inf, desc)
+  probs = jax.nn.softmax(desc, axis=-1)
+  # Keep a token while the mass before it is below top_p.
+  keep = (jnp.cumsum(probs, axis=-1) - probs < top_p) | (top_p >= 1.0)
+  cut = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
+  scaled = jnp.where(scaled < jnp.maximum(cut, kth), -jnp.inf, scaled)
+  sampled = jax.random.categorical(rng, scaled, axis=-1).astype(jnp.int32)
+  return jnp.where(temperature > 0, sampled, greedy)
 
 
 def check_cache_size(prompt_len: int, max_new_tokens: int,
@@ -154,9 +161,9 @@ def check_cache_size(prompt_len: int, max_new_tokens: int,
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "model", "max_new_tokens", "cache_size", "temperature", "top_k", "top_p"))
-def _generate(model, params, router_state, prompt, rng, *, max_new_tokens,
-              cache_size, temperature, top_k, top_p):
+    "model", "max_new_tokens", "cache_size"))
+def _generate(model, params, router_state, prompt, rng, temperature, top_k,
+              top_p, *, max_new_tokens, cache_size):
   sample = functools.partial(sample_logits, temperature=temperature,
                              top_k=top_k, top_p=top_p)
   cache = init_cache(model, params, router_state, prompt.shape[0],
@@ -190,7 +197,8 @@ def generate(model: nn.Module, params: PyTree, router_state: PyTree,
     prompt: int [B, P] token ids.
     max_new_tokens: N >= 1 tokens to generate.
     rng: PRNG key; step i samples with fold_in(rng, i).
-    temperature, top_k, top_p: see `sample_logits` (0.0 = greedy).
+    temperature, top_k, top_p: see `sample_logits` (0.0 = greedy); traced,
+      so new settings reuse the compiled program.
     cache_size: T_max of the fixed-size cache; default P + N - 1.
   Returns:
     int32 [B, N]: the new tokens.
@@ -203,7 +211,9 @@ def generate(model: nn.Module, params: PyTree, router_state: PyTree,
   if cache_size is None:
     cache_size = p + max_new_tokens - 1
   check_cache_size(p, max_new_tokens, cache_size)
+  check_sampling(model.cfg.vocab_size, temperature, top_k, top_p)
+  # Traced: changing the sampling settings does not recompile.
   return _generate(model, params, router_state, prompt, rng,
-                   max_new_tokens=max_new_tokens, cache_size=cache_size,
-                   temperature=float(temperature), top_k=int(top_k),
-                   top_p=float(top_p))
+                   jnp.float32(temperature), jnp.int32(top_k),
+                   jnp.float32(top_p), max_new_tokens=max_new_tokens,
+                   cache_size=cache_size)

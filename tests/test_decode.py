@@ -24,7 +24,7 @@ OTHERS = {"model.residual": "standard", "model.mla.q_lora_rank": 8,
 
 
 @functools.cache
-def _tiny(rope: int = 0, others: bool = False):
+def _tiny(rope: int = 0, others: bool = False, backend: str = "auto"):
   """(model, params, router_state) of the tiny hybrid (KDA + MLA, Block
   AttnRes, MoE), random params and nonzero router biases (decode must read
   them). numpy values: no init to compile."""
@@ -32,6 +32,8 @@ def _tiny(rope: int = 0, others: bool = False):
   config.model.mla.qk_rope_head_dim = rope
   for field, value in (OTHERS.items() if others else ()):
     set_field(config, field, value)
+  if backend != "auto":  # the Pallas kernels run at their chunk, 64
+    config.model.kda.backend, config.model.kda.chunk_size = backend, 64
   model = build_model(config)
   shapes = nn.meta.unbox(jax.eval_shape(
       model.init, jax.random.PRNGKey(0), jnp.zeros((1, SEQ), jnp.int32)))
@@ -61,8 +63,8 @@ def _forward(model):
       {"params": p, "router_state": s}, t))
 
 
-def test_prefill_then_steps_match_full_forward(tiny):
-  model, params, router_state = tiny
+def _check_prefill_then_steps(model, params, router_state):
+  """Prefill of PREFIX tokens, then steps: the full forward's logits."""
   tokens = jax.random.randint(jax.random.PRNGKey(1), (2, SEQ), 0, 256)
   full = np.asarray(_forward(model)(params, router_state, tokens))
 
@@ -83,6 +85,16 @@ def test_prefill_then_steps_match_full_forward(tiny):
   assert all(k.endswith(("_kda", "_mla")) for k in cache)
   assert all(int(c["index"]) == SEQ for k, c in cache.items()
              if k.endswith("_mla"))
+
+
+def test_prefill_then_steps_match_full_forward(tiny):
+  _check_prefill_then_steps(*tiny)
+
+
+def test_prefill_then_steps_through_the_pallas_kernels():
+  """The GPU path (chunked Pallas KDA for the prefill, the Pallas step),
+  interpreted on CPU."""
+  _check_prefill_then_steps(*_tiny(backend="interpret"))
 
 
 def test_prefill_continues_from_a_cache(nope):

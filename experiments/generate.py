@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import orbax.checkpoint as ocp
 from absl import app, flags, logging
 
 from moe_jax import decode
@@ -49,6 +50,13 @@ _CACHE_SIZE = flags.DEFINE_integer(
     "cache_size", None, "T_max of the cache; default prompt + new tokens.")
 
 
+def _saved_config(ckpt: Checkpointer, step: int) -> dict:
+  """The config dict saved with `step` (reads no state): the model must be
+  built before its state can be restored."""
+  return ckpt.manager.restore(
+      step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config
+
+
 def load_checkpoint(workdir: str, step: int | None = None):
   """(config, model, params, router_state, step) of a training workdir.
 
@@ -66,7 +74,7 @@ def load_checkpoint(workdir: str, step: int | None = None):
     if step is None or step not in steps:
       raise ValueError(f"no checkpoint of step {step} in {directory}; "
                        f"saved steps: {sorted(steps)}")
-    config = ml_collections.ConfigDict(ckpt.restore_config(step))
+    config = ml_collections.ConfigDict(_saved_config(ckpt, step))
     model = build_model(config)
     abstract = abstract_train_state(model, make_optimizer(config.train),
                                     jax.random.PRNGKey(0),

@@ -59,13 +59,6 @@ class Checkpointer:
     )
     return restored.state, restored.data, restored.config
 
-  def restore_config(self, step: int) -> dict:
-    """The config dict saved with `step` (to build the model before its
-    state can be restored)."""
-    restored = self.manager.restore(
-        step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
-    return restored.config
-
   def wait(self) -> None:
     self.manager.wait_until_finished()
 

@@ -11,6 +11,9 @@ Collections:
   router_state  per-MoE-layer router bias (Quantile Balancing); never a param.
   router_stats  what the balancing update needs, emitted by the forward pass
                 (make it mutable in apply()).
+  cache         decoding only (`decode=True`, mutable): per KDA layer its
+                state and conv tails, per MLA layer its latent cache
+                (moe_jax/decode.py).
 """
 from __future__ import annotations
 
@@ -61,56 +64,70 @@ class HybridLM(nn.Module):
   cfg: ml_collections.FrozenConfigDict
   rules: tuple | None = None
 
-  def _sublayer(self, cls):
-    """cls, wrapped in nn.remat under the config's policy (same params)."""
-    if self.cfg.remat == "none":
+  def _sublayer(self, cls, decode: bool = False):
+    """cls, wrapped in nn.remat under the config's policy (same params).
+
+    Decoding keeps nothing for a backward pass: never wrapped.
+    """
+    if self.cfg.remat == "none" or decode:
       return cls
     return nn.remat(cls, policy=REMAT_POLICIES[self.cfg.remat],
                     prevent_cse=True)
 
-  def _mixer(self, kind: str, i: int) -> nn.Module:
+  def _mixer(self, kind: str, i: int, decode: bool = False) -> nn.Module:
     c = self.cfg
     dtype, pdtype = _DTYPES[c.dtype], _DTYPES[c.param_dtype]
     out_scale = 1.0 / (2 * c.num_layers)
     if kind == "K":
       k = c.kda
-      return self._sublayer(KDA)(d_model=c.d_model, num_heads=k.num_heads, decay=k.decay,
-                 g_min=k.g_min, decay_rank=k.decay_rank, gate_rank=k.gate_rank,
-                 conv_size=k.conv_size, chunk_size=k.chunk_size,
-                 backend=k.backend, pallas_stages=k.pallas_stages,
-                 norm_eps=c.norm_eps,
-                 out_init_scale=out_scale, dtype=dtype, param_dtype=pdtype,
-                 name=f"layer_{i}_kda")
+      return self._sublayer(KDA, decode)(
+          d_model=c.d_model, num_heads=k.num_heads, decay=k.decay,
+          g_min=k.g_min, decay_rank=k.decay_rank, gate_rank=k.gate_rank,
+          conv_size=k.conv_size, chunk_size=k.chunk_size, backend=k.backend,
+          pallas_stages=k.pallas_stages, norm_eps=c.norm_eps,
+          out_init_scale=out_scale, dtype=dtype, param_dtype=pdtype,
+          name=f"layer_{i}_kda")
     m = c.mla
-    return self._sublayer(GatedMLA)(d_model=c.d_model, num_heads=m.num_heads,
-                    kv_lora_rank=m.kv_lora_rank,
-                    qk_nope_head_dim=m.qk_nope_head_dim,
-                    v_head_dim=m.v_head_dim, q_lora_rank=m.q_lora_rank,
-                    qk_rope_head_dim=m.qk_rope_head_dim,
-                    rope_theta=m.rope_theta, attention_impl=m.attention_impl,
-                    norm_eps=c.norm_eps, out_init_scale=out_scale, dtype=dtype,
-                    param_dtype=pdtype, name=f"layer_{i}_mla")
+    return self._sublayer(GatedMLA, decode)(
+        d_model=c.d_model, num_heads=m.num_heads,
+        kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
+        v_head_dim=m.v_head_dim, q_lora_rank=m.q_lora_rank,
+        qk_rope_head_dim=m.qk_rope_head_dim, rope_theta=m.rope_theta,
+        attention_impl=m.attention_impl, norm_eps=c.norm_eps,
+        out_init_scale=out_scale, dtype=dtype, param_dtype=pdtype,
+        name=f"layer_{i}_mla")
 
-  def _ffn(self, i: int) -> nn.Module:
+  def _ffn(self, i: int, decode: bool = False) -> nn.Module:
     c = self.cfg
     dtype, pdtype = _DTYPES[c.dtype], _DTYPES[c.param_dtype]
     e = c.moe
     if i < e.first_dense_layers:
-      return self._sublayer(SwiGLU)(d_ff=e.d_dense, dtype=dtype, param_dtype=pdtype,
-                    name=f"layer_{i}_dense")
-    return self._sublayer(MoE)(d_model=c.d_model, num_experts=e.num_experts, top_k=e.top_k,
-               d_expert=e.d_expert, num_shared=e.num_shared,
-               d_shared=e.d_shared, balancing=e.balancing,
-               route_scale=e.route_scale, aux_loss_coef=e.aux_loss_coef,
-               qb_estimator=e.qb_estimator, qb_bins=e.qb_bins,
-               qb_range=e.qb_range, expert_latent_dim=e.expert_latent_dim,
-               dispatch=e.dispatch, grouped_matmul=e.grouped_matmul,
-               dtype=dtype, param_dtype=pdtype,
-               name=f"layer_{i}_moe")
+      return self._sublayer(SwiGLU, decode)(
+          d_ff=e.d_dense, dtype=dtype, param_dtype=pdtype,
+          name=f"layer_{i}_dense")
+    return self._sublayer(MoE, decode)(
+        d_model=c.d_model, num_experts=e.num_experts, top_k=e.top_k,
+        d_expert=e.d_expert, num_shared=e.num_shared, d_shared=e.d_shared,
+        balancing=e.balancing, route_scale=e.route_scale,
+        aux_loss_coef=e.aux_loss_coef, qb_estimator=e.qb_estimator,
+        qb_bins=e.qb_bins, qb_range=e.qb_range,
+        expert_latent_dim=e.expert_latent_dim, dispatch=e.dispatch,
+        grouped_matmul=e.grouped_matmul, dtype=dtype, param_dtype=pdtype,
+        name=f"layer_{i}_moe")
 
   @nn.compact
-  def __call__(self, tokens: jax.Array) -> jax.Array:
-    """tokens: int [B, T] -> logits fp32 [B, T, vocab_size]."""
+  def __call__(self, tokens: jax.Array, decode: bool = False,
+               new_sequence: bool = False) -> jax.Array:
+    """tokens: int [B, T] -> logits fp32 [B, T, vocab_size].
+
+    decode: the tokens continue the sequence held in the `cache` collection
+      (apply with mutable=["cache"]), which is updated: a prefill (T > 1)
+      or one step (T == 1). The MoE and Block AttnRes are per token and run
+      unchanged. See moe_jax/decode.py.
+    new_sequence (with decode): the tokens start a new sequence in the
+      cache (KDA from zero states, MLA over these tokens only, with the
+      training attention).
+    """
     c = self.cfg
     dtype = _DTYPES[c.dtype]
     embed = nn.Embed(c.vocab_size, c.d_model, dtype=dtype,
@@ -132,8 +149,11 @@ class HybridLM(nn.Module):
 
     sublayers = []
     for i, kind in enumerate(layer_kinds(c)):
-      sublayers.append((f"layer_{i}_mixer_norm", self._mixer(kind, i)))
-      sublayers.append((f"layer_{i}_ffn_norm", self._ffn(i)))
+      mixer = self._mixer(kind, i, decode)
+      sublayers.append((f"layer_{i}_mixer_norm",
+                        lambda y, f=mixer: f(y, decode, new_sequence)
+                        if decode else f(y)))
+      sublayers.append((f"layer_{i}_ffn_norm", self._ffn(i, decode)))
 
     if c.residual == "standard":
       for norm_name, f in sublayers:

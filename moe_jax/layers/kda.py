@@ -9,6 +9,10 @@ docs/design.md §5 and §3.1:
   out  = W_o(rmsnorm_head(kda(q, k, v, g, beta)) * sigmoid(W_gu W_gd x))
 with a = exp(A_log) per head. The token mixing itself is the public op of
 pallas_kernels.linear_attention, so the Pallas kernels slot in by backend.
+
+Decoding (`decode=True`) keeps a `cache` collection per layer: the recurrent
+state [B, H, K, V] fp32 and the last conv_size - 1 inputs of each short conv;
+its size does not depend on the context length (moe_jax/decode.py).
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from moe_jax.layers import mesh_utils
 from moe_jax.layers.norms import l2_normalize, rms_normalize
 from moe_jax.layers.param_axes import DEFAULT_KERNEL_INIT, with_axes
 from pallas_kernels.linear_attention import kda as kda_op
+from pallas_kernels.linear_attention import kda_step
 from pallas_kernels.linear_attention.context_parallel import (
     kda_context_parallel)
 
@@ -128,8 +133,16 @@ class KDA(nn.Module):
   param_dtype: jnp.dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
-    """x: [B, T, D] -> [B, T, D]."""
+  def __call__(self, x: jax.Array, decode: bool = False,
+               new_sequence: bool = False) -> jax.Array:
+    """x: [B, T, D] -> [B, T, D].
+
+    decode: continue from the `cache` collection (make it mutable) and
+      update it: T > 1 (prefill) runs the chunked op from the cached state,
+      T == 1 one recurrent step (ops.kda_step). The cache is created with
+      zeros when absent.
+    new_sequence (with decode): start from zeros, whatever the cache held.
+    """
     b, t, _ = x.shape
     h = self.num_heads
     dk = self.d_model // h
@@ -145,7 +158,13 @@ class KDA(nn.Module):
       kernel = self.param(f"{name}_conv", with_axes(nn.initializers.normal(
           1.0 / math.sqrt(self.conv_size)), None, "heads"),
                           (self.conv_size, h * dk), self.param_dtype)
-      y, _ = causal_depthwise_conv(proj, kernel)
+      if decode:
+        tail = self.variable("cache", f"{name}_conv_tail", jnp.zeros,
+                             (b, self.conv_size - 1, h * dk), proj.dtype)
+        y, tail.value = causal_depthwise_conv(
+            proj, kernel, None if new_sequence else tail.value)
+      else:
+        y, _ = causal_depthwise_conv(proj, kernel)
       return jax.nn.silu(y).reshape(b, t, h, dk)
 
     q = l2_normalize(conv_branch("q"), self.norm_eps)
@@ -170,7 +189,17 @@ class KDA(nn.Module):
                      state_pass=self.pallas_stages,
                      output_kernel=self.pallas_stages))
     n_ctx = mesh_utils.axis_size(self.context_axis)
-    if n_ctx > 1 and t % n_ctx == 0:
+    if decode:
+      state = self.variable("cache", "state", jnp.zeros, (b, h, dk, dk),
+                            jnp.float32)
+      s0 = None if new_sequence else state.value
+      if t == 1 and s0 is not None:
+        o, state.value = kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0],
+                                  beta[:, 0], s0, backend=self.backend)
+        o = o[:, None]
+      else:
+        o, state.value = kda_op(q, k, v, g, beta, initial_state=s0, **op_kw)
+    elif n_ctx > 1 and t % n_ctx == 0:
       # Sequence split over the context axis: local chunks + an exchange of
       # per-device [K, K] / [K, V] state transitions (context_parallel.py).
       o, _ = kda_context_parallel(q, k, v, g, beta, axis=self.context_axis,

@@ -7,8 +7,12 @@ docs/design.md §5. Keys and values come from a small latent
 and an optional decoupled rotary part shared by all heads' keys
 (qk_rope_head_dim; 0 = pure NoPE, the default). The output is gated
 elementwise by sigmoid(W_gate x) before W_o. Training uses
-jax.nn.dot_product_attention (cuDNN flash on GPU, XLA on CPU). Decoding caches
-only c_kv (+ the rotary key); that path lives with the decoder.
+jax.nn.dot_product_attention (cuDNN flash on GPU, XLA on CPU).
+
+Decoding (`decode=True`) caches only c_kv [B, T_max, r] (+ the rotary key
+[B, T_max, R]) and attends in the absorbed form: W_uk is folded into the
+query (q~_h = W_uk_h^T q_h, size r) and W_uv into the output
+(o_h = W_uv_h sum_s p_s c_s), so the cache is never expanded per head.
 """
 from __future__ import annotations
 
@@ -62,9 +66,15 @@ class GatedMLA(nn.Module):
   param_dtype: jnp.dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, decode: bool = False,
+               new_sequence: bool = False) -> jax.Array:
     """x: [B, T, D] -> [B, T, D].
 
+    decode: attend over the `cache` collection (make it mutable) after
+      appending this call's T latents at its `index`; created with zeros and
+      T_max = T when absent (moe_jax/decode.py builds it for a given T_max).
+    new_sequence (with decode): the tokens start a new sequence at position
+      0 of the cache, whatever it held.
     When the ambient mesh (jax.set_mesh) has a `context_axis` of size > 1
     dividing T, the attention runs context-parallel (context_attention.py):
     each device gathers the latent c_kv of the whole sequence. Otherwise
@@ -93,7 +103,9 @@ class GatedMLA(nn.Module):
     c_kv = RMSNorm(self.norm_eps, name="kv_norm")(
         dense(self.kv_lora_rank, "kv_down", ("embed", None))(x))
     n_ctx = mesh_utils.axis_size(self.context_axis)
-    if n_ctx > 1 and t % n_ctx == 0:
+    if decode:
+      o = self._cached_attention(x, q, c_kv, dense, new_sequence)
+    elif n_ctx > 1 and t % n_ctx == 0:
       # Context parallel: gather the small latent, not the keys and values.
       o = self._context_attention(x, q, c_kv, dense)
     else:
@@ -129,8 +141,67 @@ class GatedMLA(nn.Module):
         axis=self.context_axis, dtype=self.dtype, implementation=impl)
     return o.reshape(b, t, h * dv)
 
-  def _attention(self, x, q, c_kv, dense):
-    """Single-device (or compiler-partitioned) attention; o [B, T, H * Dv]."""
+  def _cached_attention(self, x, q, c_kv, dense, new_sequence):
+    """Attention over the latent cache; o [B, T, H * Dv].
+
+    The T new tokens are written at positions index .. index + T - 1 (0 ..
+    T - 1 for a new sequence) and token t attends to slots <= index + t, in
+    the absorbed form. A new sequence attends over its own tokens only, with
+    the training path (flash on GPU; no T x T_max scores).
+    """
+    b, t, _ = x.shape
+    h, dn, dr, dv = (self.num_heads, self.qk_nope_head_dim,
+                     self.qk_rope_head_dim, self.v_head_dim)
+    r = self.kv_lora_rank
+    cache = self.variable("cache", "c_kv", jnp.zeros, (b, t, r), c_kv.dtype)
+    index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
+    t_max = cache.value.shape[1]
+    if t > t_max:
+      raise ValueError(f"MLA decode: {t} tokens do not fit the latent cache "
+                       f"of T_max={t_max} positions")
+    i = jnp.zeros((), jnp.int32) if new_sequence else index.value
+    cache.value = jax.lax.dynamic_update_slice(
+        cache.value, c_kv.astype(cache.value.dtype), (0, i, 0))
+    index.value = i + t
+    positions = i + jnp.arange(t)
+    k_rope = None
+    if dr > 0:
+      k_rope = apply_rope(dense(dr, "k_rope", ("embed", None))(x)[:, :, None],
+                          positions, self.rope_theta)          # [B, T, 1, R]
+      rope_cache = self.variable("cache", "rope_key", jnp.zeros, (b, t, dr),
+                                 k_rope.dtype)
+      rope_cache.value = jax.lax.dynamic_update_slice(
+          rope_cache.value, k_rope[:, :, 0].astype(rope_cache.value.dtype),
+          (0, i, 0))
+    if new_sequence:
+      return self._attention(x, q, c_kv, dense, k_rope)
+
+    # Same params as the Dense up-projections of _attention, as matrices.
+    w_uk = _DenseKernel(r, h * dn, self.param_dtype, name="k_up")().reshape(
+        r, h, dn).astype(self.dtype)
+    w_uv = _DenseKernel(r, h * dv, self.param_dtype, name="v_up")().reshape(
+        r, h, dv).astype(self.dtype)
+    q_lat = jnp.einsum("bthd,rhd->bthr", q[..., :dn], w_uk)       # [B,T,H,r]
+    c_all = cache.value                                            # [B,S,r]
+    scores = jnp.einsum("bthr,bsr->bhts", q_lat, c_all,
+                        preferred_element_type=jnp.float32)
+    if dr > 0:
+      q_rope = apply_rope(q[..., dn:], positions, self.rope_theta)
+      scores = scores + jnp.einsum("bthd,bsd->bhts", q_rope, rope_cache.value,
+                                   preferred_element_type=jnp.float32)
+    scores = scores * (dn + dr) ** -0.5
+    visible = jnp.arange(t_max)[None, :] <= positions[:, None]
+    scores = jnp.where(visible[None, None], scores, -jnp.inf)
+    p = jax.nn.softmax(scores, axis=-1).astype(self.dtype)        # [B,H,T,S]
+    ctx = jnp.einsum("bhts,bsr->bthr", p, c_all)                   # [B,T,H,r]
+    o = jnp.einsum("bthr,rhv->bthv", ctx, w_uv)
+    return o.reshape(b, t, h * dv).astype(self.dtype)
+
+  def _attention(self, x, q, c_kv, dense, k_rope=None):
+    """Single-device (or compiler-partitioned) attention; o [B, T, H * Dv].
+
+    k_rope: the rotated rotary key [B, T, 1, R] when already computed.
+    """
     b, t, _ = x.shape
     h, dn, dr, dv = (self.num_heads, self.qk_nope_head_dim,
                      self.qk_rope_head_dim, self.v_head_dim)
@@ -139,8 +210,10 @@ class GatedMLA(nn.Module):
     v = dense(h * dv, "v_up", (None, "heads"))(c_kv).reshape(b, t, h, dv)
     if dr > 0:
       positions = jnp.arange(t)
-      k_rope = apply_rope(dense(dr, "k_rope", ("embed", None))(x)[:, :, None],
-                          positions, self.rope_theta)
+      if k_rope is None:
+        k_rope = apply_rope(
+            dense(dr, "k_rope", ("embed", None))(x)[:, :, None], positions,
+            self.rope_theta)
       q_rope = apply_rope(q[..., dn:], positions, self.rope_theta)
       q = jnp.concatenate([q[..., :dn], q_rope], axis=-1)
       k = jnp.concatenate([k, jnp.broadcast_to(k_rope, (b, t, h, dr))], -1)

@@ -1,0 +1,154 @@
+r"""Decoding cost at a context length: time per output token, cache memory.
+
+For each layer pattern (default the config's and "M", the all-MLA model of
+the same width and depth) and each context length L, builds a cache of
+T_max = L positions whose MLA layers are filled up to L - steps (random
+latents; the KDA state is constant in L, so its values do not matter for
+the cost), then times a jitted loop of `steps` greedy decode steps (the
+last one reaching position L) after one compiled warm-up run. Params are
+random, from numpy (a timing, not a quality measure).
+
+  python -m experiments.bench_decode --config=configs/gpu_small.py \
+      --contexts=65536,1048576 --out=/tmp/bench_decode
+
+Prints a table (ms per output token, cache MiB: total, KDA, MLA; ratios to
+the all-MLA row of the same L) and writes OUT/rows.jsonl and OUT/table.md.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+import zlib
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from ml_collections import config_flags
+
+from moe_jax import decode
+from moe_jax.config_validation import validate_config
+from moe_jax.model import build_model
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", "configs/gpu_small.py", "Config file (path.py[:variants]).",
+    lock_config=False)
+_CONTEXTS = flags.DEFINE_list("contexts", ["65536"], "Context lengths L.")
+_PATTERNS = flags.DEFINE_list("patterns", [], "model.layer_pattern values; "
+                              "default the config's and M (all-MLA).")
+_BATCH = flags.DEFINE_integer("batch", 1, "Sequences decoded together.")
+_STEPS = flags.DEFINE_integer("steps", 32, "Timed decode steps.")
+_OUT = flags.DEFINE_string("out", "", "Output folder ('' = print only).")
+
+
+def bench_row(config, context: int, batch: int = 1, steps: int = 32,
+              seed: int = 0) -> dict:
+  """One row: time per output token and cache bytes of config's model with
+  a cache of `context` positions (see the module docstring)."""
+  if not 1 <= steps < context:
+    raise ValueError(f"steps must be in [1, context={context}), got {steps}")
+  model = build_model(config)
+  shapes = nn.meta.unbox(jax.eval_shape(
+      model.init, jax.random.PRNGKey(seed), jnp.zeros((1, 8), jnp.int32)))
+  # Random params from numpy (compiling the initialisers costs more than
+  # the timed loop at small sizes): unit vectors, 1/sqrt(fan_in) matrices.
+  rng = np.random.default_rng(seed)
+  def param(s):
+    if len(s.shape) == 1:
+      return jnp.ones(s.shape, s.dtype)
+    return jnp.asarray(rng.standard_normal(s.shape, np.float32)
+                       / np.sqrt(s.shape[-2]), s.dtype)
+  params = jax.tree.map(param, shapes["params"])
+  router_state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                              shapes.get("router_state", {}))
+  cache = decode.init_cache(model, params, router_state, batch, context)
+  report = decode.cache_report(cache)
+
+  def fill(path, x):
+    # MLA layers hold L - steps tokens already; latents of unit scale.
+    name = path[-1].key
+    if name == "index":
+      return jnp.full_like(x, context - steps)
+    if name in ("c_kv", "rope_key"):
+      key = jax.random.fold_in(jax.random.PRNGKey(seed),
+                               zlib.crc32(str(path).encode()) % 2**31)
+      return jax.random.normal(key, x.shape, x.dtype)
+    return x
+  cache = jax.jit(lambda c: jax.tree_util.tree_map_with_path(fill, c))(cache)
+
+  @jax.jit
+  def run(params, router_state, cache, token):
+    def body(_, carry):
+      token, cache = carry
+      logits, cache = decode.decode_step(model, params, router_state, cache,
+                                         token)
+      return jnp.argmax(logits, -1).astype(jnp.int32), cache
+    return jax.lax.fori_loop(0, steps, body, (token, cache))[0]
+
+  token = jnp.zeros((batch,), jnp.int32)
+  start = time.perf_counter()
+  run(params, router_state, cache, token).block_until_ready()
+  compile_s = time.perf_counter() - start
+  start = time.perf_counter()
+  run(params, router_state, cache, token).block_until_ready()
+  seconds = time.perf_counter() - start
+  by_kind = {k: sum(r["bytes"] for r in report if r["kind"] == k)
+             for k in ("KDA", "MLA")}
+  return {"pattern": config.model.layer_pattern, "context": context,
+          "batch": batch, "steps": steps,
+          "ms_per_token": 1e3 * seconds / steps,
+          "cache_bytes": by_kind["KDA"] + by_kind["MLA"],
+          "kda_cache_bytes": by_kind["KDA"],
+          "mla_cache_bytes": by_kind["MLA"], "compile_s": compile_s,
+          "device": jax.devices()[0].device_kind}
+
+
+def table(rows: list[dict]) -> str:
+  """Markdown table; ratios to the all-MLA ("M") row of the same context."""
+  ref = {r["context"]: r for r in rows if r["pattern"] == "M"}
+  lines = ["| pattern | L | ms/token | cache MiB | KDA MiB | MLA MiB | "
+           "time / all-MLA | cache / all-MLA |", "|" + "---|" * 8]
+  mib = lambda b: f"{b / 2**20:.4g}"  # noqa: E731
+  for r in rows:
+    m = ref.get(r["context"])
+    ratio = lambda k: f"{r[k] / m[k]:.2f}" if m else "-"  # noqa: E731
+    lines.append(
+        f"| {r['pattern']} | {r['context']} | {r['ms_per_token']:.3f} | "
+        f"{mib(r['cache_bytes'])} | {mib(r['kda_cache_bytes'])} | "
+        f"{mib(r['mla_cache_bytes'])} | {ratio('ms_per_token')} | "
+        f"{ratio('cache_bytes')} |")
+  return "\n".join(lines) + "\n"
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  config = _CONFIG.value
+  try:
+    contexts = [int(c) for c in _CONTEXTS.value]
+  except ValueError as e:
+    raise app.UsageError(f"--contexts must be integers, got "
+                         f"{_CONTEXTS.value}") from e
+  patterns = _PATTERNS.value or [config.model.layer_pattern, "M"]
+  rows = []
+  for pattern in dict.fromkeys(patterns):
+    cfg = config.copy_and_resolve_references()
+    cfg.model.layer_pattern = pattern
+    validate_config(cfg)
+    for context in contexts:
+      rows.append(bench_row(cfg, context, _BATCH.value, _STEPS.value))
+      print(json.dumps(rows[-1]), flush=True)
+  text = table(rows)
+  print(text)
+  if _OUT.value:
+    os.makedirs(_OUT.value, exist_ok=True)
+    with open(os.path.join(_OUT.value, "rows.jsonl"), "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in rows)
+    with open(os.path.join(_OUT.value, "table.md"), "w") as f:
+      f.write(text)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -32,15 +32,21 @@ from moe_jax import decode
 from moe_jax.config_validation import validate_config
 from moe_jax.model import build_model
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", "configs/gpu_small.py", "Config file (path.py[:variants]).",
-    lock_config=False)
-_CONTEXTS = flags.DEFINE_list("contexts", ["65536"], "Context lengths L.")
-_PATTERNS = flags.DEFINE_list("patterns", [], "model.layer_pattern values; "
-                              "default the config's and M (all-MLA).")
-_BATCH = flags.DEFINE_integer("batch", 1, "Sequences decoded together.")
-_STEPS = flags.DEFINE_integer("steps", 32, "Timed decode steps.")
-_OUT = flags.DEFINE_string("out", "", "Output folder ('' = print only).")
+
+def define_flags():
+  """Defines the command's flags; only when it runs as a command, so
+  that tests import this module beside other experiments without
+  their flags clashing."""
+  global _CONFIG, _CONTEXTS, _PATTERNS, _BATCH, _STEPS, _OUT
+  _CONFIG = config_flags.DEFINE_config_file(
+      "config", "configs/gpu_small.py", "Config file (path.py[:variants]).",
+      lock_config=False)
+  _CONTEXTS = flags.DEFINE_list("contexts", ["65536"], "Context lengths L.")
+  _PATTERNS = flags.DEFINE_list("patterns", [], "model.layer_pattern values; "
+                                "default the config's and M (all-MLA).")
+  _BATCH = flags.DEFINE_integer("batch", 1, "Sequences decoded together.")
+  _STEPS = flags.DEFINE_integer("steps", 32, "Timed decode steps.")
+  _OUT = flags.DEFINE_string("out", "", "Output folder ('' = print only).")
 
 
 def bench_row(config, context: int, batch: int = 1, steps: int = 32,
@@ -151,4 +157,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -22,39 +22,39 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import orbax.checkpoint as ocp
 from absl import app, flags, logging
 
 from moe_jax import decode
 from moe_jax.data import BOS, EOS, NUM_BYTES
 from moe_jax.model import build_model
-from moe_jax.train.checkpoint import Checkpointer, with_shardings
+from moe_jax.train.checkpoint import (Checkpointer, verify_checksums,
+                                     with_shardings)
 from moe_jax.train.optimizer import make_optimizer
 from moe_jax.train.step import abstract_train_state
 
-_WORKDIR = flags.DEFINE_string("workdir", "runs/default",
-                               "Training workdir (with checkpoints/).")
-_STEP = flags.DEFINE_integer("step", None,
-                             "Checkpoint step; default the latest.")
-_PROMPT = flags.DEFINE_string("prompt", None, "Prompt text.")
-_PROMPT_FILE = flags.DEFINE_string("prompt_file", None,
-                                   "File whose text is the prompt.")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate.")
-_TEMPERATURE = flags.DEFINE_float("temperature", 0.0,
-                                  "0 = greedy; > 0 samples.")
-_TOP_K = flags.DEFINE_integer("top_k", 0, "Sample among the k most likely "
-                              "tokens (0 = all).")
-_TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1 = all).")
-_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
-_CACHE_SIZE = flags.DEFINE_integer(
-    "cache_size", None, "T_max of the cache; default prompt + new tokens.")
 
-
-def _saved_config(ckpt: Checkpointer, step: int) -> dict:
-  """The config dict saved with `step` (reads no state): the model must be
-  built before its state can be restored."""
-  return ckpt.manager.restore(
-      step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config
+def define_flags():
+  """Defines the command's flags; only when it runs as a command, so
+  that tests import this module beside other experiments without
+  their flags clashing."""
+  global _WORKDIR, _STEP, _PROMPT, _PROMPT_FILE, _MAX_NEW, _TEMPERATURE, \
+      _TOP_K, _TOP_P, _SEED, _CACHE_SIZE
+  _WORKDIR = flags.DEFINE_string("workdir", "runs/default",
+                                 "Training workdir (with checkpoints/).")
+  _STEP = flags.DEFINE_integer("step", None,
+                               "Checkpoint step; default the latest.")
+  _PROMPT = flags.DEFINE_string("prompt", None, "Prompt text.")
+  _PROMPT_FILE = flags.DEFINE_string("prompt_file", None,
+                                     "File whose text is the prompt.")
+  _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate.")
+  _TEMPERATURE = flags.DEFINE_float("temperature", 0.0,
+                                    "0 = greedy; > 0 samples.")
+  _TOP_K = flags.DEFINE_integer("top_k", 0, "Sample among the k most likely "
+                                "tokens (0 = all).")
+  _TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1 = all).")
+  _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+  _CACHE_SIZE = flags.DEFINE_integer(
+      "cache_size", None, "T_max of the cache; default prompt + new tokens.")
 
 
 def load_checkpoint(workdir: str, step: int | None = None):
@@ -74,7 +74,12 @@ def load_checkpoint(workdir: str, step: int | None = None):
     if step is None or step not in steps:
       raise ValueError(f"no checkpoint of step {step} in {directory}; "
                        f"saved steps: {sorted(steps)}")
-    config = ml_collections.ConfigDict(_saved_config(ckpt, step))
+    damage = verify_checksums(ckpt.step_dir(step))
+    if damage:
+      raise ValueError(f"checkpoint {ckpt.step_dir(step)} is damaged: "
+                       f"{damage}; pick another with --step (saved steps: "
+                       f"{sorted(steps)})")
+    config = ml_collections.ConfigDict(ckpt.saved_config(step))
     model = build_model(config)
     abstract = abstract_train_state(model, make_optimizer(config.train),
                                     jax.random.PRNGKey(0),
@@ -155,4 +160,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

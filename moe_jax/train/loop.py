@@ -244,7 +244,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
 
   def fetch_pending() -> dict:
     """Waits for the pending steps; checks them in order; router rows."""
-    nonlocal train_time, t_mark
+    nonlocal train_time
     host = jax.device_get([m for _, m in pending])
     train_time += time.perf_counter() - t_mark
     for (s, _), m in zip(pending, host):

@@ -133,7 +133,7 @@ def main(argv):
       print(summary, flush=True)
     if "error" not in res:
       print(f"   {res['step_ms']:.1f} ms  {res['tokens_per_sec']:,.0f} tok/s"
-            f"  MFU {res['mfu'] if res['mfu'] is None else round(res['mfu'], 3)}"
+            f"  MFU {res['mfu'] and round(res['mfu'], 3)}"
             f"  peak {res['peak_gib']} GiB  compile {res['compile_s']:.0f} s",
             flush=True)
   md = table(rows)

@@ -72,7 +72,8 @@ def run_row(config, r: dict, steps: int, warmup: int, profile_dir: str | None,
       in_shardings=(state_sh, batch_sh),
       out_shardings=(state_sh, sharding.replicated(mesh)), donate_argnums=(0,))
   state = init_train_state(model, tx, rng, c.data.seq_len, shardings=state_sh)
-  put = lambda b: sharding.shard_batch(b, batch_sh, c.data.batch_size)  # noqa: E731
+  def put(b):
+    return sharding.shard_batch(b, batch_sh, c.data.batch_size)
 
   t0 = time.perf_counter()
   compiled = step_fn.lower(state, put(batches[0])).compile()
@@ -163,7 +164,8 @@ def table(rows: list[dict]) -> str:
     p = prev.get(r["seq_len"])
     if p is not None:
       n = min(len(p["losses"]), len(r["losses"]))
-      gap = f"{max(abs(a - b) / abs(b) for a, b in zip(r['losses'][:n], p['losses'][:n])):.1e}"
+      pairs = zip(r["losses"][:n], p["losses"][:n])
+      gap = f"{max(abs(a - b) / abs(b) for a, b in pairs):.1e}"
     prev[r["seq_len"]] = r
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     out.append(lead + f"| {r['step_ms']:.1f} | {r['tokens_per_sec']:,.0f} | "

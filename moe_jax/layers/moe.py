@@ -1,13 +1,13 @@
-"""Sparse MoE: shared SwiGLU + dropless routed SwiGLU experts (docs/design.md §5).
+"""Sparse MoE: shared + dropless routed SwiGLU experts (docs/design.md §5).
 
 Routed dispatch "ragged" sorts (token, slot) pairs by expert and runs grouped
-matmuls (`jax.lax.ragged_dot`, or the Pallas grouped matmul of
-pallas_kernels.grouped_matmul on a GPU: expert_parallel.ragged_experts; split over
-the "expert" mesh axis with an all-to-all when the ambient mesh has one);
-"loop" runs every expert on every token and masks, the obviously-correct
-reference used by tests. Both give the same values and gradients. Router
-state/stats live in the `router_state` / `router_stats` collections of the
-`router` submodule (see router.py).
+matmuls (expert_parallel.ragged_experts): `jax.lax.ragged_dot`, or on a GPU
+the Pallas grouped matmul of pallas_kernels.grouped_matmul; split over the
+"expert" mesh axis with an all-to-all when the ambient mesh has one. "loop"
+runs every expert on every token and masks, the obviously-correct reference
+used by tests. Both give the same values and gradients. Router state/stats
+live in the `router_state` / `router_stats` collections of the `router`
+submodule (see router.py).
 """
 from __future__ import annotations
 

@@ -45,10 +45,9 @@ _SHAPES = flags.DEFINE_list("shapes", ["1x32768", "8x8192"],
 _T_SWEEP = flags.DEFINE_list("t_sweep", ["2048", "8192", "65536", "131072"],
                              "Extra T values at B=1 (32768 is an anchor).")
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed iterations (median).")
-# Both references compile in seconds and run at B1 T8192: KDA 37.5 ms
-# fwd+bwd (H200, session 18), GLA 27.4 ms (H100, session 22) once its pair
-# decays are stored rather than fused into its score reduce (that compile
-# had run past 7 minutes).
+# Both references compile in seconds and run at B1 T8192 (times in
+# results/kernels.md), GLA's once its pair decays are stored rather than
+# fused into its score reduce (that compile ran for minutes).
 _XLA_MAX = flags.DEFINE_list(
     "xla_max_tokens", ["kda:8192", "gla:8192"],
     "Per op, op:N: time the XLA oracle only at shapes of up to N = B*T tokens "

@@ -258,10 +258,9 @@ def chunk_gla_ref(q, k, v, g, *, scale=None, initial_state=None,
   b_cum, eb, eb_last, eb_rest = _chunk_decays(gc)
   # Intra-chunk scores on position pairs (inclusive diagonal: S_t holds k_t v_t^T).
   # The decays go in through an optimization barrier, so XLA stores them
-  # rather than fusing the exp into the score reduce. Fused, XLA's GPU
-  # compile of that one reduce ran for minutes: the forward jit alone had
-  # not compiled after 6 min at B1 T2048 (H100, session 22; over 7 min at
-  # T8192 in session 18). Stored, forward and gradient jits compile in 3-5 s.
+  # rather than fusing the exp into the score reduce: fused, XLA's GPU
+  # compile of that one reduce runs for minutes; stored, the forward and
+  # gradient jits compile in seconds (results/kernels.md, 2026-12-05).
   # KDA's reference (two score reduces over the same decays) compiles in
   # seconds as it is.
   aqk = _pair_scores(qc, kc,

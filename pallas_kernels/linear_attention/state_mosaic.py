@@ -5,7 +5,7 @@ stages"). The Triton passes (`kda_pallas._state_kernel` / `_dstate_kernel`,
 `gla_pallas._state_kernel` / `_dstate_kernel`) are the reference these
 kernels are tested against; they are an opt-in alternative
 (`state_pass="mosaic"` on either op) until a card says they pay
-(results/kernels.md, session 17).
+(results/kernels.md).
 
 One program per (batch, head, K block of bk, V block of bv), sequential
 over the chunks (S [bk, bv] fp32 held in registers as a wgmma accumulator;
@@ -402,9 +402,8 @@ def resolve_state_pass(choice, kp, dv, dtype, bk, bv, interpret, kda):
   multiple of 64, blocks valid, shared memory within the limit for every
   pass of the op) and "triton" elsewhere, interpret mode included (the
   Mosaic passes are tested explicitly there: tests/test_state_mosaic.py).
-  Measured on an H200 (session 17, results/kernels.md): the Mosaic passes
-  take KDA fwd+bwd from 10.88 to 9.69 ms at B1 T32768 H16 D128 and from
-  19.57 to 19.15 ms at B8 T8192; GLA from 6.73 to 6.37 ms at B1 T32768."""
+  The Mosaic passes are faster for both ops on an H200 at B1 T32768 and
+  B8 T8192 (results/kernels.md, 2026-12-05)."""
   if choice != "auto":
     return choice
   if interpret or plgpu is None:

@@ -474,6 +474,14 @@ def _is_mapping(x: Any) -> bool:
   return isinstance(x, (Mapping, FrozenDict))
 
 
+def _map_stats(leaf_fn, tree: Mapping, path: tuple = ()) -> dict:
+  """A router_stats-shaped tree of plain dicts: leaf_fn(key, leaf, path) at
+  every stat, `path` the keys of the modules above it."""
+  return {key: (_map_stats(leaf_fn, val, path + (key,)) if _is_mapping(val)
+                else leaf_fn(key, val, path))
+          for key, val in tree.items()}
+
+
 def _qb_hist_target(b: jax.Array, stats: Mapping, qb_range, top_k,
                     qb_scale: float) -> jax.Array:
   """Target from 'qb_hist'/'qb_tokens' next to a bias b [..., E]."""
@@ -614,20 +622,14 @@ def init_qb_window(stats_shapes: Mapping) -> dict:
   Returns:
     The same tree of fp32 zeros (plain dicts).
   """
-  def walk(node, path):
-    out = {}
-    for key, val in node.items():
-      if _is_mapping(val):
-        out[key] = walk(val, path + (key,))
-      elif key in _SUMMED_STATS:
-        out[key] = jnp.zeros(val.shape, jnp.float32)
-      else:
-        raise ValueError(
-            f"a QB window sums router stats over steps; {key!r} at "
-            f"{'/'.join(path)} cannot be summed (use qb_estimator="
-            "'histogram')")
-    return out
-  return walk(stats_shapes, ())
+  def zeros(key, val, path):
+    if key not in _SUMMED_STATS:
+      raise ValueError(
+          f"a QB window sums router stats over steps; {key!r} at "
+          f"{'/'.join(path)} cannot be summed (use qb_estimator="
+          "'histogram')")
+    return jnp.zeros(val.shape, jnp.float32)
+  return _map_stats(zeros, stats_shapes)
 
 
 def split_qb_window(router_state: Mapping) -> tuple[Mapping, Mapping | None]:
@@ -759,22 +761,15 @@ def reduce_router_stats(stacked: Mapping) -> Mapping:
   """
   frozen = isinstance(stacked, FrozenDict)
 
-  def walk(node, path):
-    out = {}
-    for key, val in node.items():
-      if _is_mapping(val):
-        out[key] = walk(val, path + (key,))
-      elif key in _SUMMED_STATS:
-        out[key] = jnp.sum(val, axis=0)
-      elif key in _AVERAGED_STATS:
-        out[key] = jnp.mean(val, axis=0)
-      else:
-        raise ValueError(
-            f"reduce_router_stats: unknown router stat {key!r} at "
-            f"{'/'.join(path)}")
-    return out
+  def combine(key, val, path):
+    if key in _SUMMED_STATS:
+      return jnp.sum(val, axis=0)
+    if key in _AVERAGED_STATS:
+      return jnp.mean(val, axis=0)
+    raise ValueError(f"reduce_router_stats: unknown router stat {key!r} at "
+                     f"{'/'.join(path)}")
 
-  out = walk(unfreeze(stacked) if frozen else stacked, ())
+  out = _map_stats(combine, unfreeze(stacked) if frozen else stacked)
   return freeze(out) if frozen else out
 
 

@@ -50,28 +50,18 @@ def run_row(config, r: dict, steps: int, warmup: int, profile_dir: str | None,
   import numpy as np
   from moe_jax import sharding
   from moe_jax.data import make_datasets
-  from moe_jax.model import build_model
   from moe_jax.planning import plan
-  from moe_jax.train.optimizer import make_optimizer, make_schedule
-  from moe_jax.train.step import (abstract_train_state, init_train_state,
-                                  make_train_step, train_state_shardings)
+  from moe_jax.train.loop import build_train_step
+  from moe_jax.train.step import init_train_state
 
   c = configure(config, r)
   train_iter, _, _, _ = make_datasets(dict(c.data.to_dict(), seed=c.seed))
   batches = [next(train_iter) for _ in range(warmup + steps)]
-  mesh = sharding.make_mesh(c.mesh)
-  rules = c.mesh.rules
-  model, tx = build_model(c), make_optimizer(c.train)
-  rng = jax.random.PRNGKey(c.seed)
-  abstract = abstract_train_state(model, tx, rng, c.data.seq_len)
-  state_sh = train_state_shardings(abstract, tx, mesh, rules)
-  batch_sh = sharding.batch_sharding(mesh, rules,
-                                     (c.data.batch_size, c.data.seq_len))
-  step_fn = sharding.jit_in_mesh(
-      make_train_step(model, tx, c.model.moe, make_schedule(c.train)), mesh,
-      in_shardings=(state_sh, batch_sh),
-      out_shardings=(state_sh, sharding.replicated(mesh)), donate_argnums=(0,))
-  state = init_train_state(model, tx, rng, c.data.seq_len, shardings=state_sh)
+  # The step the training loop runs, in the loop's layout.
+  setup = build_train_step(c)
+  step_fn, batch_sh = setup.train_step, setup.batch_sharding
+  state = init_train_state(setup.model, setup.tx, setup.rng, c.data.seq_len,
+                           shardings=setup.state_shardings)
   def put(b):
     return sharding.shard_batch(b, batch_sh, c.data.batch_size)
 

@@ -13,6 +13,7 @@ import math
 import os
 import signal
 import time
+from typing import Any, Callable, NamedTuple
 
 import jax
 import ml_collections
@@ -126,6 +127,46 @@ class _SigtermFlag:
       signal.signal(signal.SIGTERM, self._old)
 
 
+class TrainSetup(NamedTuple):
+  """What a run's jitted train step is built from (`build_train_step`)."""
+  mesh: Any
+  model: Any
+  tx: Any
+  rng: jax.Array
+  abstract_state: Any      # TrainState of ShapeDtypeStructs
+  state_shardings: Any     # TrainState of NamedShardings
+  batch_sharding: Any
+  train_step: Callable     # (state, batch) -> (state, metrics); donates state
+
+
+def build_train_step(config: ml_collections.ConfigDict) -> TrainSetup:
+  """The mesh, model, optimizer, state layout and jitted train step of a
+  (validated) config: what `train_and_evaluate` runs, and what
+  experiments/bench_train_step.py times.
+
+  One mesh over all devices of all processes (docs/design.md §8); on one
+  device every sharding is trivial and the step is the unsharded one.
+  """
+  mesh = sharding.make_mesh(config.mesh)
+  rules = config.mesh.rules
+  model = build_model(config)
+  tx = make_optimizer(config.train)
+  rng = jax.random.PRNGKey(config.seed)
+  abstract_state = abstract_train_state(model, tx, rng, config.data.seq_len)
+  state_sh = train_state_shardings(abstract_state, tx, mesh, rules)
+  batch_sh = sharding.batch_sharding(
+      mesh, rules, (config.data.batch_size, config.data.seq_len))
+  train_step = sharding.jit_in_mesh(
+      make_train_step(model, tx, config.model.moe,
+                      make_schedule(config.train),
+                      microbatches=config.train.microbatches), mesh,
+      in_shardings=(state_sh, batch_sh),
+      out_shardings=(state_sh, sharding.replicated(mesh)),
+      donate_argnums=(0,))
+  return TrainSetup(mesh, model, tx, rng, abstract_state, state_sh, batch_sh,
+                    train_step)
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
                        stop_at_step: int | None = None,
                        strict_resume: bool = False) -> dict:
@@ -161,26 +202,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
                      f"data's vocabulary ({vocab}); allowed: >= {vocab}")
   unigram_bpb = unigram_bits_per_byte(train_tokens, val_tokens, vocab)
 
-  # One mesh over all devices of all processes (docs/design.md §8); on one device
-  # every sharding below is trivial and the run is the unsharded one.
-  mesh = sharding.make_mesh(config.mesh)
-  rules = config.mesh.rules
+  setup = build_train_step(config)
+  mesh, model, tx, rng = setup.mesh, setup.model, setup.tx, setup.rng
+  abstract_state, state_sh = setup.abstract_state, setup.state_shardings
+  batch_sh, train_step = setup.batch_sharding, setup.train_step
   logging.info("Mesh %s on %d devices, %d processes", dict(mesh.shape),
                mesh.size, jax.process_count())
-  model = build_model(config)
-  schedule = make_schedule(tcfg)
-  tx = make_optimizer(tcfg)
-  rng = jax.random.PRNGKey(config.seed)
-  abstract_state = abstract_train_state(model, tx, rng, config.data.seq_len)
-  state_sh = train_state_shardings(abstract_state, tx, mesh, rules)
-  batch_shape = (config.data.batch_size, config.data.seq_len)
-  batch_sh = sharding.batch_sharding(mesh, rules, batch_shape)
   rep = sharding.replicated(mesh)
-  train_step = sharding.jit_in_mesh(
-      make_train_step(model, tx, mcfg.moe, schedule,
-                      microbatches=tcfg.microbatches), mesh,
-      in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, rep),
-      donate_argnums=(0,))
   eval_step = sharding.jit_in_mesh(
       make_eval_step(model), mesh,
       in_shardings=(state_sh.params, state_sh.router_state, batch_sh),

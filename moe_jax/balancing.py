@@ -76,11 +76,19 @@ def expert_load(expert_index: jax.Array, num_experts: int) -> jax.Array:
   Returns:
     [E] fp32 counts (sum = N * k).
   """
-  # Counted from the sorted ids: bincount's scatter-add of ones onto E bins
-  # serialises on the GPU.
-  ids = jnp.sort(expert_index.reshape(-1))
+  return sorted_counts(jnp.sort(expert_index.reshape(-1)),
+                       num_experts).astype(jnp.float32)
+
+
+def sorted_counts(sorted_ids: jax.Array, n: int) -> jax.Array:
+  """How many of the ascending ids equal each of 0..n-1 (ids >= n are not
+  counted). int [n].
+
+  From the sorted ids rather than bincount: bincount's scatter-add of ones
+  onto n bins serialises on the GPU.
+  """
   return jnp.diff(jnp.searchsorted(
-      ids, jnp.arange(num_experts + 1, dtype=ids.dtype))).astype(jnp.float32)
+      sorted_ids, jnp.arange(n + 1, dtype=sorted_ids.dtype)))
 
 
 def qb_quantile(num_tokens: int, top_k: int, num_experts: int) -> int:

@@ -28,8 +28,8 @@ first (whether ragged_dot skips the padded tail depends on its lowering);
 `capacity_factor` c > 0 shrinks the buffers to ceil(c n k / P) rows, and the
 tokens beyond it for a destination (the last in token order) lose that
 destination's experts (never the default; docs/design.md §5). A ragged
-all-to-all (`jax.lax.ragged_all_to_all`) would send only the real rows, but XLA:CPU
-(jax 0.10.2) does not implement it ("UNIMPLEMENTED: ragged-all-to-all"), so
+all-to-all (`jax.lax.ragged_all_to_all`) would send only the real rows, but
+XLA:CPU (jax 0.10.2) does not implement it ("UNIMPLEMENTED: ragged-all-to-all"), so
 it could not be tested here and is not used.
 
 The router runs outside, on the global token set, so routing and the
@@ -38,6 +38,7 @@ experts' gradients come back split over the expert axis like the weights.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Sequence
 
@@ -45,6 +46,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from moe_jax.balancing import sorted_counts
 from moe_jax.layers import mesh_utils
 from pallas_kernels.grouped_matmul import gmm
 
@@ -118,34 +120,34 @@ def ragged_experts(x, idx, w, w_gate, w_up, w_down, matmul="ragged_dot"):
   order = jnp.argsort(flat_e, stable=True).astype(jnp.int32)    # [N*k]
   inv = jnp.zeros_like(order).at[order].set(
       jnp.arange(order.shape[0], dtype=order.dtype))
-  # Counts from the sorted ids: a scatter-add of ones onto E bins (bincount)
-  # serialises on the GPU.
-  group_sizes = jnp.diff(jnp.searchsorted(
-      flat_e[order], jnp.arange(e + 1, dtype=flat_e.dtype))).astype(jnp.int32)
-  xs = permute_rows(jnp.repeat(x, k, axis=0), order, inv)        # [N*k, D]
+  group_sizes = sorted_counts(flat_e[order], e).astype(jnp.int32)  # [E]
+  xs = permute_rows(x, order, inv, k)                            # [N*k, D]
   ys = expert_ffn(xs, group_sizes, w_gate, w_up, w_down, matmul)  # [N*k, D]
   ys = ys.astype(jnp.float32) * permute_rows(w.reshape(-1, 1), order, inv)
   # Back to (token, slot) order, then the slots of each token summed.
   return permute_rows(ys, inv, order).reshape(n, k, -1).sum(axis=1)
 
 
-@jax.custom_vjp
-def permute_rows(a: jax.Array, perm: jax.Array, inv: jax.Array) -> jax.Array:
-  """a[perm] for a permutation perm with inverse inv ([M, D] -> [M, D]).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def permute_rows(a: jax.Array, perm: jax.Array, inv: jax.Array,
+                 slots: int = 1) -> jax.Array:
+  """a[perm // slots]: [M / slots, D] -> [M, D], perm a permutation of
+  range(M) with inverse inv (slots > 1: each row of a fills `slots` rows).
 
-  Its gradient is the gather ct[inv]; jnp.take's would be a scatter-add,
-  which the GPU runs far slower than a gather.
+  Its gradient gathers ct[inv] and sums each row's slots; jnp.take's would
+  be a scatter-add, which the GPU runs far slower than a gather.
   """
-  return jnp.take(a, perm, axis=0)
+  return jnp.take(a, perm // slots, axis=0)
 
 
-def _permute_fwd(a, perm, inv):
-  return jnp.take(a, perm, axis=0), (perm, inv)
+def _permute_fwd(a, perm, inv, slots):
+  return jnp.take(a, perm // slots, axis=0), (perm, inv)
 
 
-def _permute_bwd(res, ct):
-  perm, inv = res
-  return jnp.take(ct, inv, axis=0), None, None
+def _permute_bwd(slots, res, ct):
+  _, inv = res
+  ct = jnp.take(ct, inv, axis=0)
+  return ct.reshape(-1, slots, *ct.shape[1:]).sum(axis=1), None, None
 
 
 permute_rows.defvjp(_permute_fwd, _permute_bwd)

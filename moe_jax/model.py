@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from moe_jax.balancing import QB_HIST_SCALE
 from moe_jax.layers.attn_res import AttnResMix, BlockAttnResState
 from moe_jax.layers.kda import KDA
 from moe_jax.layers.mla import GatedMLA
@@ -111,6 +112,8 @@ class HybridLM(nn.Module):
         balancing=e.balancing, route_scale=e.route_scale,
         aux_loss_coef=e.aux_loss_coef, qb_estimator=e.qb_estimator,
         qb_bins=e.qb_bins, qb_range=e.qb_range,
+        # Configs saved before the field existed used the constant.
+        qb_scale=e.get("qb_hist_scale", QB_HIST_SCALE),
         expert_latent_dim=e.expert_latent_dim, dispatch=e.dispatch,
         grouped_matmul=e.grouped_matmul, dtype=dtype, param_dtype=pdtype,
         name=f"layer_{i}_moe")

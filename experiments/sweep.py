@@ -9,7 +9,8 @@ and compares the entries over seeds.
 
 get_sweep() (or get_sweep(arg), given the config's variant string) returns
 either a list of entries {'name': ..., 'overrides': {dotted.field: value}}
-or {'entries': [...], 'seeds': [0, 1, 2], 'baseline': name}. An entry may
+or {'entries': [...], 'seeds': [0, 1, 2], 'baseline': name, 'claims':
+[...]} (claims: see sweep_stats.claim_verdicts). An entry may
 name its own {'baseline': name}; otherwise it is compared with the sweep's
 baseline (default: the first entry). Seeds: --seeds, else the sweep's,
 else the config's `seed`; each seed sets config.seed (init and data order).
@@ -19,13 +20,14 @@ checkpoint already reached train.steps is not retrained, and a partly
 trained one continues from its latest checkpoint.
 
 Writes WORKDIR/summary.json ({'seeds', 'baselines', 'runs', 'entries',
-'comparisons'}) and WORKDIR/summary.md. Per run: final val loss, mean
+'comparisons', 'verdicts'}) and WORKDIR/summary.md. Per run: final val loss, mean
 MaxVio_batch over the last 20% of steps (mean over MoE layers, and for the
 first MoE layer), MaxVio_global over the validation set (mean over layers
 and first layer) and training tokens/s. Per entry: mean, std, n and spread
 (max - min) over seeds of each column; against its baseline, the mean
 difference, significant only when it exceeds both entries' max-min spread
-(moe_jax/eval/sweep_stats.py).
+(moe_jax/eval/sweep_stats.py). Per declared claim, one verdict line:
+reproduced, not reproduced or within noise.
 """
 from __future__ import annotations
 
@@ -66,7 +68,8 @@ def define_flags():
 def load_sweep(spec: str):
   """(base config, sweep) from 'path.py[:arg]'.
 
-  The sweep is {'entries': [...], 'seeds': [...] or None, 'baseline': name};
+  The sweep is {'entries': [...], 'seeds': [...] or None, 'baseline': name,
+  'claims': [...]};
   get_sweep(arg) is called with the arg when it takes one.
   """
   path, _, arg = spec.partition(":")
@@ -88,8 +91,18 @@ def load_sweep(spec: str):
     if name not in names:
       raise ValueError(f"--config={spec}: baseline {name!r} is not an entry; "
                        f"allowed: {names}")
+  claims = sweep.get("claims", [])
+  for c in claims:
+    for key in ("candidate", "baseline"):
+      if c[key] not in names:
+        raise ValueError(f"--config={spec}: claim {c['text']!r} names "
+                         f"{key} {c[key]!r}, not an entry; allowed: {names}")
+    if c["claim"] not in sweep_stats.CLAIMS:
+      raise ValueError(f"--config={spec}: claim {c['text']!r} has claim="
+                       f"{c['claim']!r}; allowed: {list(sweep_stats.CLAIMS)}")
   return module.get_config(arg or None), {
-      "entries": entries, "seeds": sweep.get("seeds"), "baseline": baseline}
+      "entries": entries, "seeds": sweep.get("seeds"), "baseline": baseline,
+      "claims": claims}
 
 
 def _layer_order(key: str) -> int:
@@ -194,7 +207,8 @@ def run_sweep(spec: str, workdir: str, only=(), seeds=()) -> dict:
   stats = sweep_stats.aggregate(rows, STAT_COLUMNS)
   summary = {"seeds": seeds, "baselines": baselines, "runs": rows,
              "entries": stats,
-             "comparisons": sweep_stats.compare(stats, STAT_COLUMNS, baselines)}
+             "comparisons": sweep_stats.compare(stats, STAT_COLUMNS, baselines),
+             "verdicts": sweep_stats.claim_verdicts(rows, sweep["claims"])}
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=1)
@@ -204,8 +218,11 @@ def run_sweep(spec: str, workdir: str, only=(), seeds=()) -> dict:
 
 
 def summary_markdown(summary: dict) -> str:
-  """The per-entry statistics, the comparisons and the per-run table."""
+  """The claims' verdicts, the per-entry statistics, the comparisons and
+  the per-run table."""
+  verdicts = "".join(f"- {v}\n" for v in summary["verdicts"])
   return (f"Seeds: {summary['seeds']}.\n\n"
+          + (f"Claims:\n\n{verdicts}\n" if verdicts else "")
           + sweep_stats.to_markdown(summary["entries"], summary["comparisons"],
                                     STAT_COLUMNS)
           + "\nPer run:\n\n" + to_markdown(summary["runs"]))

@@ -8,6 +8,7 @@ import pytest
 
 from conftest import ROOT, execute_notebook
 from experiments import sweep
+from moe_jax.eval import sweep_stats
 
 EVIDENCE = str(ROOT / "configs" / "evidence.py")
 
@@ -34,6 +35,14 @@ def test_sweep_summary_has_every_column(tiny_sweep):
   table = open(os.path.join(workdir, "summary.md")).read()
   assert "maxvio_batch_last20" in table and "| block-2 | 1 |" in table
   assert "| block-2 | standard |" in table and "max-min over seeds" in table
+  # The claims of the entries that ran get a verdict; the others say so.
+  verdicts = summary["verdicts"]
+  assert any(v.startswith("block-2 lowers val loss vs standard residuals: ")
+             and v.split(": ")[1].split(" (")[0] in sweep_stats.VERDICTS
+             for v in verdicts)
+  assert ("full lowers val loss vs standard residuals: not run (full "
+          "missing)") in verdicts
+  assert "- block-2 lowers val loss vs standard residuals: " in table
 
 
 def test_seeds_train_in_distinct_workdirs_and_aggregate(tiny_sweep):
@@ -98,8 +107,35 @@ def test_evidence_sweep_names_are_validated():
       sweep.load_sweep(EVIDENCE + arg)
   _, swept = sweep.load_sweep(EVIDENCE + ":balancing_extreme")
   assert swept["seeds"] == [0, 1, 2] and swept["baseline"] == "sign"
+  assert {c["candidate"] for c in swept["claims"]} == {"qb-exact",
+                                                       "qb-histogram"}
   base, _ = sweep.load_sweep(EVIDENCE + ":balancing_extreme")
   assert (base.model.moe.num_experts, base.model.moe.top_k) == (256, 8)
+
+
+def test_sweep_declarations_are_checked(tmp_path):
+  def declare(sweep_dict):
+    path = tmp_path / "bad_sweep.py"
+    path.write_text(
+        "from moe_jax.config_base import base_config\n"
+        "def get_config(arg=None):\n  return base_config()\n"
+        f"def get_sweep():\n  return {sweep_dict!r}\n")
+    return str(path)
+  a = {"name": "a", "overrides": {}}
+  b = {"name": "b", "overrides": {}, "baseline": "c"}
+  claim = {"text": "t", "column": "val_loss", "candidate": "a",
+           "baseline": "z", "claim": "lower"}
+  with pytest.raises(ValueError, match=r"baseline 'c' is not an entry; "
+                     r"allowed: \['a', 'b'\]"):
+    sweep.load_sweep(declare({"entries": [a, b]}))
+  with pytest.raises(ValueError, match="entry names repeat"):
+    sweep.load_sweep(declare([a, a]))
+  with pytest.raises(ValueError, match=r"claim 't' names baseline 'z', not "
+                     r"an entry; allowed: \['a'\]"):
+    sweep.load_sweep(declare({"entries": [a], "claims": [claim]}))
+  with pytest.raises(ValueError, match=r"claim='less'; allowed: \['lower'"):
+    sweep.load_sweep(declare({"entries": [a], "claims": [
+        dict(claim, baseline="a", claim="less")]}))
 
 
 @pytest.mark.parametrize("spec", [

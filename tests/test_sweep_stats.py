@@ -82,3 +82,22 @@ def test_verdict_line_and_tables():
   assert "| b | 2 | 2.05 +- 0.0707 |" in table
   assert "| b | a | +0.95* |" in table and "| c | a | +0 |" in table
   assert "max-min over seeds" in table
+
+
+def test_scaled_claims_and_claim_verdicts():
+  sign, qb = [2.0, 2.2, 2.4], [0.9, 1.0, 1.05]
+  v = sweep_stats.verdict
+  # 0.5 x sign = [1.0, 1.1, 1.2] (spread 0.2): qb is at most half of it.
+  assert v(qb, sign, "no_higher", scale=0.5) == "reproduced"
+  assert v([1.5, 1.6, 1.55], sign, "no_higher", scale=0.5) == "not reproduced"
+  runs = [{"name": n, "m": x} for n, xs in (("qb", qb), ("sign", sign))
+          for x in xs]
+  lines = sweep_stats.claim_verdicts(runs, [
+      {"text": "QB halves MaxVio", "column": "m", "candidate": "qb",
+       "baseline": "sign", "claim": "no_higher", "scale": 0.5},
+      {"text": "aux", "column": "m", "candidate": "aux", "baseline": "sign",
+       "claim": "lower"}])
+  assert lines[0].startswith("QB halves MaxVio: reproduced (m: qb 0.9833 +- "
+                             "0.0764 (spread 0.15) vs 0.5 x sign 1.1 +- 0.1 "
+                             "(spread 0.2)")
+  assert lines[1] == "aux: not run (aux missing)"

@@ -68,9 +68,12 @@ def difference(candidate: dict, baseline: dict) -> dict:
 
 
 def verdict(candidate: Sequence[float], baseline: Sequence[float],
-            claim: str) -> str:
+            claim: str, scale: float = 1.0) -> str:
   """Whether per-seed `candidate` values bear out `claim` against `baseline`.
 
+  scale: the claim is against scale x baseline (every seed's value scaled,
+    so its spread too): e.g. claim "no_higher", scale 0.5 = "at most half
+    the baseline".
   claim: one of CLAIMS.
     lower / higher: "reproduced" when the difference is significant in the
       claimed direction, "not reproduced" when significant the other way,
@@ -81,7 +84,8 @@ def verdict(candidate: Sequence[float], baseline: Sequence[float],
   """
   if claim not in CLAIMS:
     raise ValueError(f"claim={claim!r} is unknown; allowed: {list(CLAIMS)}")
-  d = difference(seed_stats(candidate), seed_stats(baseline))
+  d = difference(seed_stats(candidate),
+                 seed_stats([scale * float(v) for v in baseline]))
   if claim in ("no_higher", "no_lower"):
     worse = d["diff"] > 0 if claim == "no_higher" else d["diff"] < 0
     return "not reproduced" if d["significant"] and worse else "reproduced"
@@ -98,20 +102,49 @@ def format_stat(s: dict) -> str:
 
 def verdict_line(claim_text: str, column: str, candidate_name: str,
                  candidate: Sequence[float], baseline_name: str,
-                 baseline: Sequence[float], claim: str) -> str:
+                 baseline: Sequence[float], claim: str,
+                 scale: float = 1.0) -> str:
   """One line for a results table, e.g.
 
   'Block AttnRes lowers val loss: reproduced (val_loss: block-2 2.31 +- 0.01
    (spread 0.02) vs standard 2.35 +- 0.01 (spread 0.02), diff -0.04, n=3/3,
    significance: |diff| > max-min over seeds of both)'.
   """
-  c, b = seed_stats(candidate), seed_stats(baseline)
+  c = seed_stats(candidate)
+  b = seed_stats([scale * float(v) for v in baseline])
   d = difference(c, b)
-  return (f"{claim_text}: {verdict(candidate, baseline, claim)} ({column}: "
-          f"{candidate_name} {format_stat(c)} (spread {c['spread']:.3g}) vs "
-          f"{baseline_name} {format_stat(b)} (spread {b['spread']:.3g}), "
+  base = baseline_name if scale == 1.0 else f"{scale:g} x {baseline_name}"
+  return (f"{claim_text}: {verdict(candidate, baseline, claim, scale)} "
+          f"({column}: {candidate_name} {format_stat(c)} (spread "
+          f"{c['spread']:.3g}) vs {base} {format_stat(b)} (spread "
+          f"{b['spread']:.3g}), "
           f"diff {d['diff']:+.4g}, n={c['n']}/{b['n']}, significance: "
           f"|diff| > {SPREAD} of both)")
+
+
+def claim_verdicts(runs: Sequence[dict], claims: Sequence[dict]) -> list[str]:
+  """verdict_line of each claim whose two entries ran.
+
+  runs: per-seed rows ('name' and the claims' columns). claims: dicts with
+  'text', 'column', 'candidate', 'baseline' (entry names), 'claim' (one of
+  CLAIMS) and optionally 'scale'. A claim whose entries did not both run
+  gets 'TEXT: not run (ENTRY missing)'.
+  """
+  by_name = {}
+  for r in runs:
+    by_name.setdefault(r["name"], []).append(r)
+  lines = []
+  for c in claims:
+    missing = [n for n in (c["candidate"], c["baseline"]) if n not in by_name]
+    if missing:
+      lines.append(f"{c['text']}: not run ({', '.join(missing)} missing)")
+      continue
+    lines.append(verdict_line(
+        c["text"], c["column"], c["candidate"],
+        [r[c["column"]] for r in by_name[c["candidate"]]], c["baseline"],
+        [r[c["column"]] for r in by_name[c["baseline"]]], c["claim"],
+        c.get("scale", 1.0)))
+  return lines
 
 
 def aggregate(runs: Sequence[dict], columns: Sequence[str]) -> list[dict]:

@@ -128,7 +128,9 @@ def get_sweep(arg: str | None = None):
 
   Claims (moe_jax/eval/sweep_stats.py verdicts, one line each in the
   summary): residuals: every AttnRes variant lowers val loss against
-  standard residuals, and block-2 gives up nothing against full AttnRes;
+  standard residuals, block-2 gives up nothing against full AttnRes, and
+  every AttnRes variant keeps 95% of standard's tokens/s (the sweep's
+  training tokens/s; experiments/bench_train_step.py times the step alone);
   residual_length: block AttnRes lowers val loss at each length; decay:
   bounded decay costs no val loss against unbounded; balancing: QB (exact,
   histogram) has at most half the sign rule's MaxVio_batch over the last
@@ -153,6 +155,9 @@ def get_sweep(arg: str | None = None):
     recovers = f"block-{BLOCK_SIZES[size][-1]}"
     claims.append(_claim(f"{recovers} costs no val loss vs full AttnRes",
                          "val_loss", recovers, "full", "no_higher"))
+    claims += [_claim(f"{e['name']} trains at >= 0.95x standard's tokens/s",
+                      "tokens_per_sec", e["name"], "standard", "no_lower",
+                      0.95) for e in entries[1:]]
   elif sweep == "residual_length":
     entries = []
     for length in LENGTHS[size]:

@@ -182,8 +182,9 @@ def test_summary_counts_each_step_once_after_a_resume(tmp_path):
     return {"split": "router", "step": step, "maxvio/moe_0": v}
   rows = [router(s, 100.0) for s in range(1, 11)] + [
       router(s, float(s)) for s in range(3, 11)]
-  rows += [{"split": "train", "step": s, "tokens_per_sec": 10.0}
-           for s in range(1, 11)]
+  # The first interval held the compilation.
+  rows += [{"split": "train", "step": s,
+            "tokens_per_sec": 0.5 if s == 1 else 10.0} for s in range(1, 11)]
   rows += [{"split": "eval", "step": 10, "val_loss": 2.0,
             "maxvio_global/moe_0": 0.5}]
   with open(tmp_path / "metrics.jsonl", "w") as f:
@@ -193,3 +194,4 @@ def test_summary_counts_each_step_once_after_a_resume(tmp_path):
   # last 20% would be steps 8..10: 9.0).
   assert row["maxvio_batch_last20"] == 9.5
   assert row["val_loss"] == 2.0 and row["maxvio_global"] == 0.5
+  assert row["tokens_per_sec"] == 10.0

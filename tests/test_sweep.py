@@ -171,7 +171,9 @@ def test_attention_residuals_notebook_executes(tiny_sweep, monkeypatch):
   assert "sources per mix: [1, 2, 2, 3, 3]" in outputs
   assert "weights of every mix sum to 1: True" in outputs
   assert "block sizes plotted: [(2, 'block-2')]" in outputs
-  assert "standard: hidden RMS first" in outputs
+  # One per sublayer input (4) and the final hidden state, per model.
+  assert "standard: 5 hidden RMS values" in outputs
+  assert "block-2: 5 hidden RMS values" in outputs
   assert "hidden norms finite: True" in outputs
 
 

@@ -89,6 +89,7 @@ def base_config() -> ml_collections.ConfigDict:
   moe.qb_estimator = "exact"    # exact (top-k over tokens) | histogram (binned, shard-exact)
   moe.qb_bins = 256             # histogram bins, [8, 65536]
   moe.qb_range = 4.0            # histogram window: r in [b_j - qb_range, b_j + qb_range]
+  moe.qb_hist_scale = 1e-3      # histogram asinh bins' scale c > 0 (balancing.QB_HIST_SCALE)
   # QB over a time window (histogram only): the bias is updated once every
   # qb_update_every steps from the histograms of the period's last
   # qb_window_steps steps, summed (1, 1: every step from its own batch).

@@ -178,6 +178,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   _one_of(config, "model.moe.qb_estimator", ("exact", "histogram"))
   _int_range(config, "model.moe.qb_bins", 8, 65536)
   _float_range(config, "model.moe.qb_range", 0.0, lo_open=True)
+  _float_range(config, "model.moe.qb_hist_scale", 0.0, lo_open=True)
   _int_range(config, "model.moe.qb_update_every", 1)
   every = config.model.moe.qb_update_every
   # A window cannot span two updates: the histogram is binned around the

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from moe_jax.balancing import QB_HIST_SCALE
 from moe_jax.layers.attn_res import AttnResMix, BlockAttnResState
 from moe_jax.layers.kda import KDA
 from moe_jax.layers.mla import GatedMLA
@@ -111,6 +112,8 @@ class HybridLM(nn.Module):
         balancing=e.balancing, route_scale=e.route_scale,
         aux_loss_coef=e.aux_loss_coef, qb_estimator=e.qb_estimator,
         qb_bins=e.qb_bins, qb_range=e.qb_range,
+        # Configs saved before the field existed used the constant.
+        qb_scale=e.get("qb_hist_scale", QB_HIST_SCALE),
         expert_latent_dim=e.expert_latent_dim, dispatch=e.dispatch,
         grouped_matmul=e.grouped_matmul, dtype=dtype, param_dtype=pdtype,
         name=f"layer_{i}_moe")
@@ -157,6 +160,7 @@ class HybridLM(nn.Module):
 
     if c.residual == "standard":
       for norm_name, f in sublayers:
+        self._sow_hidden_rms(x)
         x = x + f(RMSNorm(c.norm_eps, dtype=dtype, name=norm_name)(x))
       h = x
     else:
@@ -164,8 +168,10 @@ class HybridLM(nn.Module):
       for norm_name, f in sublayers:
         h = AttnResMix(c.norm_eps, name=norm_name + "_attn_res")(
             state.sources())
+        self._sow_hidden_rms(h)
         state.add(f(RMSNorm(c.norm_eps, dtype=dtype, name=norm_name)(h)))
       h = AttnResMix(c.norm_eps, name="final_attn_res")(state.sources())
+    self._sow_hidden_rms(h)
 
     h = RMSNorm(c.norm_eps, dtype=dtype, name="final_norm")(h)
     logits = nn.Dense(c.vocab_size, use_bias=False, dtype=dtype,
@@ -173,6 +179,15 @@ class HybridLM(nn.Module):
                       kernel_init=with_axes(DEFAULT_KERNEL_INIT, "embed",
                                             "vocab"), name="head")(h)
     return constrain(logits.astype(jnp.float32), LOGITS_AXES, self.rules)
+
+  def _sow_hidden_rms(self, h: jax.Array) -> None:
+    """With mutable=["intermediates"]: appends the RMS of the hidden state a
+    sublayer reads (and, last, the final one) to 'hidden_rms', a tuple of
+    2 * num_layers + 1 fp32 scalars: the growth over depth that AttnRes
+    bounds."""
+    if self.is_mutable_collection("intermediates"):
+      self.sow("intermediates", "hidden_rms",
+               jnp.sqrt(jnp.mean(jnp.square(h.astype(jnp.float32)))))
 
 
 def build_model(config: ml_collections.ConfigDict) -> HybridLM:

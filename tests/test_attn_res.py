@@ -30,6 +30,15 @@ def test_nonzero_query_weights_sources_by_softmax():
   np.testing.assert_allclose(out, jnp.einsum("sbt,sbtd->btd", weights, v),
                              rtol=1e-5, atol=1e-6)
   assert not np.allclose(out, sum(srcs) / 3)
+  # With 'intermediates' mutable, the mix sows its weights averaged over
+  # batch and tokens [S], and its output is unchanged.
+  sown_out, sown = AttnResMix().apply({"params": {"query": w}}, srcs,
+                                      mutable=["intermediates"])
+  np.testing.assert_array_equal(sown_out, out)
+  (mean_weights,) = sown["intermediates"]["weights"]
+  np.testing.assert_allclose(mean_weights, weights.mean(axis=(1, 2)),
+                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(float(mean_weights.sum()), 1.0, rtol=1e-6)
 
 
 def _run(layers_per_block, fns, emb, queries):

@@ -120,6 +120,7 @@ _OTHER_VALUES = {
     "model.moe.qb_ema": (0.5, {}), "model.moe.qb_estimator": (
         "histogram", {}), "model.moe.qb_bins": (64, {}),
     "model.moe.qb_range": (2.0, {}), "model.moe.sign_rate": (1e-2, {}),
+    "model.moe.qb_hist_scale": (1e-2, {}),
     "model.moe.aux_loss_coef": (0.1, {}),
     "train.grad_clip": (0.0, {}), "train.weight_decay": (0.0, {}),
 }

@@ -180,6 +180,30 @@ def test_router_emits_histogram_and_update_consumes_it():
                                 np.asarray(sa["load"] + sb["load"]))
 
 
+def test_qb_hist_scale_config_reaches_the_router_and_the_update(monkeypatch):
+  from moe_jax.balancing import QB_HIST_SCALE
+  from moe_jax.layers import router as router_module
+  from moe_jax.model import build_model
+  from moe_jax.train.step import qb_hist_scale
+  config = load_config("default.py", "tiny,smoke")
+  assert config.model.moe.qb_hist_scale == QB_HIST_SCALE
+  config.model.moe.qb_estimator = "histogram"
+  config.model.moe.qb_hist_scale = 0.5
+  seen = []
+
+  def recording_histogram(*args, qb_scale, **kwargs):
+    seen.append(qb_scale)
+    return qb_histogram(*args, qb_scale=qb_scale, **kwargs)
+
+  monkeypatch.setattr(router_module, "qb_histogram", recording_histogram)
+  tokens = jnp.zeros((2, 16), jnp.int32)
+  jax.eval_shape(build_model(config).init, jax.random.PRNGKey(0), tokens)
+  assert seen == [0.5, 0.5]            # the MoE of each of tiny's 2 layers
+  assert qb_hist_scale(config.model.moe) == 0.5   # what the update uses
+  # A config saved before the field existed keeps the constant.
+  assert qb_hist_scale(object()) == QB_HIST_SCALE
+
+
 def test_histogram_update_leading_layer_axis():
   s = [_scores(5), _scores(6)]
   b = jnp.zeros((2, N))
@@ -202,6 +226,8 @@ def test_histogram_update_leading_layer_axis():
     ("qb_range", 0.0, r"model\.moe\.qb_range must be in \(0\.0, inf\)"),
     ("qb_range", -1.0, r"model\.moe\.qb_range must be in \(0\.0, inf\)"),
     ("qb_ema", 1.0, r"model\.moe\.qb_ema must be in \[0\.0, 1\.0\)"),
+    ("qb_hist_scale", 0.0, r"model\.moe\.qb_hist_scale must be in "
+                           r"\(0\.0, inf\)"),
 ])
 def test_bad_histogram_config_raises(field, value, pattern):
   config = load_config("default.py")

@@ -9,6 +9,10 @@ the running partial sum of the current block:
 with a learned pseudo-query w_l per sublayer, zero-initialised so training
 starts from the uniform average. One sublayer per block is full AttnRes (every
 earlier output is a source); memory and traffic scale with blocks, not layers.
+
+Applied with mutable=["intermediates"], each mix sows its softmax weights
+averaged over batch and tokens ('weights', [S]): the learned depth attention
+that notebook 03 plots.
 """
 from __future__ import annotations
 
@@ -41,6 +45,8 @@ class AttnResMix(nn.Module):
     keys = rms_normalize(v.astype(jnp.float32), self.eps)
     logits = jnp.einsum("sbtd,d->sbt", keys, w.astype(jnp.float32))
     weights = jax.nn.softmax(logits, axis=0)
+    if self.is_mutable_collection("intermediates"):
+      self.sow("intermediates", "weights", weights.mean(axis=(1, 2)))   # [S]
     return jnp.einsum("sbt,sbtd->btd", weights, v.astype(jnp.float32)).astype(
         sources[0].dtype)
 

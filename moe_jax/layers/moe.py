@@ -17,6 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from moe_jax.balancing import QB_HIST_SCALE
 from moe_jax.layers import mesh_utils
 from moe_jax.layers.expert_parallel import (
     expert_parallel_experts, ragged_experts as _ragged_experts, token_axes)
@@ -81,8 +82,8 @@ class MoE(nn.Module):
     expert_latent_dim: 0 = experts act on d_model; L > 0 = latent experts:
       tokens are projected D -> L (`latent_down`) before the routed experts
       and L -> D (`latent_up`) after; the router and shared expert see x.
-    qb_estimator, qb_bins, qb_range: Quantile-Balancing estimator settings,
-      passed to the Router (see router.py).
+    qb_estimator, qb_bins, qb_range, qb_scale: Quantile-Balancing estimator
+      settings, passed to the Router (see router.py).
     dispatch: "ragged" (sort + grouped matmul) | "loop" (reference).
     grouped_matmul: the ragged dispatch's grouped products, one of
       expert_parallel.GROUPED_MATMULS ("auto": the Pallas kernels on a GPU,
@@ -111,6 +112,7 @@ class MoE(nn.Module):
   qb_estimator: str = "exact"
   qb_bins: int = 256
   qb_range: float = 4.0
+  qb_scale: float = QB_HIST_SCALE
   expert_latent_dim: int = 0
   dispatch: str = "ragged"
   grouped_matmul: str = "auto"
@@ -137,7 +139,8 @@ class MoE(nn.Module):
         num_experts=e, top_k=self.top_k, balancing=self.balancing,
         route_scale=self.route_scale, aux_loss_coef=self.aux_loss_coef,
         qb_estimator=self.qb_estimator, qb_bins=self.qb_bins,
-        qb_range=self.qb_range, name="router")(xf)               # [N, k] x2
+        qb_range=self.qb_range, qb_scale=self.qb_scale,
+        name="router")(xf)               # [N, k] x2
 
     # Latent experts: route on x, but run the routed experts in a smaller
     # space (fewer expert params, a smaller all-to-all payload when sharded).

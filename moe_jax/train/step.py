@@ -43,6 +43,12 @@ def qb_window_config(moe_cfg) -> tuple[int, int]:
   return int(get("qb_window_steps", 1)), int(get("qb_update_every", 1))
 
 
+def qb_hist_scale(moe_cfg) -> float:
+  """model.moe.qb_hist_scale; balancing.QB_HIST_SCALE if absent (a config
+  saved before the field existed)."""
+  return float(getattr(moe_cfg, "qb_hist_scale", balancing.QB_HIST_SCALE))
+
+
 def _router_state(model: nn.Module, variables: PyTree, tokens: jax.Array
                   ) -> PyTree:
   """The model's router_state, plus the empty QB window when it has one.
@@ -242,7 +248,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation,
   window_steps, update_every = qb_window_config(moe_cfg)
   update_kwargs = dict(method=moe_cfg.balancing, ema=moe_cfg.qb_ema,
                        sign_rate=moe_cfg.sign_rate, qb_range=moe_cfg.qb_range,
-                       top_k=moe_cfg.top_k)
+                       top_k=moe_cfg.top_k, qb_scale=qb_hist_scale(moe_cfg))
 
   def train_step(state: TrainState, batch: dict):
     if moe_cfg.balancing == "qb":

@@ -117,7 +117,8 @@ def parse_versions(entries):
 
 def load_module(op, source):
   if source == "main":
-    return importlib.import_module(f"pallas_kernels.linear_attention.{op}_pallas")
+    return importlib.import_module(
+        f"pallas_kernels.linear_attention.{op}.chunk")
   mod_name = "ab_" + os.path.splitext(os.path.basename(source))[0]
   spec = importlib.util.spec_from_file_location(mod_name, source)
   mod = importlib.util.module_from_spec(spec)

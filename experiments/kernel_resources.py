@@ -192,14 +192,16 @@ def op_fn(op, bounded, split_grad_k=False):
   """The op's forward + backward (value_and_grad of a scalar) on its Pallas
   path: every kernel of the op is lowered."""
   # pylint: disable=g-import-not-at-top
-  from pallas_kernels.linear_attention import gla_pallas, kda_pallas
+  from pallas_kernels.linear_attention.gla import chunk as gla_pallas
+  from pallas_kernels.linear_attention.gla import tuning as gla_tuning
+  from pallas_kernels.linear_attention.kda import chunk as kda_pallas
   g_min = -5.0 if bounded else None
   kw = dict(scale=None, initial_state=None, chunk_size=64, g_min=g_min,
             bounded=bounded)
   if op == "kda":
     kw["split_grad_k"] = split_grad_k
   else:
-    kw["tune"] = gla_pallas.Tuning(split_grad_k=split_grad_k)
+    kw["tune"] = gla_tuning.Tuning(split_grad_k=split_grad_k)
   fn = kda_pallas.kda_pallas if op == "kda" else gla_pallas.gla_pallas
 
   def loss(*x):

@@ -28,8 +28,10 @@ import jax.numpy as jnp
 
 from experiments.timing import (median_ms, parse_int_overrides,
                                 parse_kernel_config)
-from pallas_kernels.linear_attention import gla_pallas as gp
-from pallas_kernels.linear_attention.chunk_common import _output_call, _pad  # pylint: disable=protected-access
+from pallas_kernels.linear_attention.common.output import output_call
+from pallas_kernels.linear_attention.common.tiles import pad_to
+from pallas_kernels.linear_attention.gla import backward, chunk, intra, passes
+from pallas_kernels.linear_attention.gla import tuning as gp
 
 _OUT = flags.DEFINE_string("out", "/tmp/profile_gla", "Output folder.")
 _B = flags.DEFINE_integer("b", 1, "Batch.")
@@ -98,44 +100,44 @@ def profile(x, bounded, tune, iters, interpret=False):
   bsz, _, h, dk = q.shape
   scale = dk ** -0.5
   g_min = -5.0 if bounded else None   # the op's clamp, as gla_pallas runs it
-  lay = gp._layout(q, v, tune)  # pylint: disable=protected-access
+  lay = chunk.call_layout(q, v, tune)
   tp, kp, dv = lay["tp"], lay["kp"], lay["dv"]
   prep = jax.jit(lambda q, k, v, g, do: (
-      _pad(q, tp, kp), _pad(k, tp, kp), _pad(v, tp, dv), _pad(g, tp, kp),
-      _pad(do, tp, dv)))
+      pad_to(q, tp, kp), pad_to(k, tp, kp), pad_to(v, tp, dv), pad_to(g, tp, kp),
+      pad_to(do, tp, dv)))
   qp, kp_, vp, gp_, dop = prep(q, k, v, g, do)
   s0p = jnp.zeros((bsz, h, kp, dv), jnp.float32)
   common = dict(lay=lay, tune=tune, interpret=interpret)
   mosaic = " (mosaic)" if tune.state_pass == "mosaic" else ""
   c = {"prepare (XLA pads)": median_ms(lambda: prep(q, k, v, g, do), iters)}
-  f = jax.jit(functools.partial(gp._intra_call, bounded=bounded, g_min=g_min,  # pylint: disable=protected-access
+  f = jax.jit(functools.partial(intra.intra_call, bounded=bounded, g_min=g_min,
                                 for_backward=True, **common))
   c["1 intra (b, A, q exp(b), k exp(bC-b))"] = median_ms(
       lambda: f(qp, kp_, gp_), iters)
   aqk, qg, kg, ec, bp = f(qp, kp_, gp_)
-  f = jax.jit(functools.partial(gp._state_pass, **common))  # pylint: disable=protected-access
+  f = jax.jit(functools.partial(passes.run_state_pass, **common))
   c["2 state pass" + mosaic] = median_ms(lambda: f(kg, vp, ec, s0p), iters)
   states, _ = f(kg, vp, ec, s0p)
   f = jax.jit(functools.partial(
-      _output_call, lay=lay, scale=scale, dtype=v.dtype, interpret=interpret,
+      output_call, lay=lay, scale=scale, dtype=v.dtype, interpret=interpret,
       num_warps=tune.output_warps, name="gla_chunk_output",
       kernel=tune.output_kernel))
   c["3 output" + (" (mosaic)" if tune.output_kernel == "mosaic" else "")] = median_ms(lambda: f(qg, aqk, vp, states), iters)
-  f = jax.jit(functools.partial(gp._dstate_pass, scale=scale, **common))  # pylint: disable=protected-access
+  f = jax.jit(functools.partial(passes.run_dstate_pass, scale=scale, **common))
   c["b1 dstate pass" + mosaic] = median_ms(lambda: f(qg, dop, ec, s0p), iters)
   dstates, _ = f(qg, dop, ec, s0p)
-  f = jax.jit(functools.partial(gp._dv_call, scale=scale, dtype=v.dtype,  # pylint: disable=protected-access
+  f = jax.jit(functools.partial(backward.dv_call, scale=scale, dtype=v.dtype,
                                 bounded=bounded, **common))
   c["b2 dv (dv, dA)"] = median_ms(lambda: f(aqk, kg, vp, dop, dstates), iters)
   _, da = f(aqk, kg, vp, dop, dstates)
-  f = jax.jit(functools.partial(gp._grad_k_call, scale=scale, bounded=bounded,  # pylint: disable=protected-access
+  f = jax.jit(functools.partial(backward.grad_k_call, scale=scale, bounded=bounded,
                                 g_min=g_min, **common))
   name = "b3 grad_k (dq, dk, dg)" + (" + state_side" if tune.split_grad_k
                                      else "")
   c[name] = median_ms(lambda: f(qp, kp_, bp, gp_, dop, vp, da, states,
                                 dstates), iters)
 
-  run = lambda *a: gp.gla_pallas(  # noqa: E731
+  run = lambda *a: chunk.gla_pallas(  # noqa: E731
       *a, scale=None, initial_state=None, chunk_size=64, g_min=g_min,
       bounded=bounded, tune=tune, interpret=interpret)
   fwd = jax.jit(lambda q, k, v, g: run(q, k, v, g)[0])

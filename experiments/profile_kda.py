@@ -32,7 +32,11 @@ import jax.numpy as jnp
 
 from experiments.timing import (median_ms, parse_int_overrides,
                                 parse_kernel_config)
-from pallas_kernels.linear_attention import kda_pallas as kp
+from pallas_kernels.linear_attention.common.output import output_call
+from pallas_kernels.linear_attention.common.tiles import pad_to
+from pallas_kernels.linear_attention.kda import backward, chunk, intra
+from pallas_kernels.linear_attention.kda import passes as kda_passes
+from pallas_kernels.linear_attention.kda import tuning as kp
 
 _OUT = flags.DEFINE_string("out", "/tmp/profile_kda", "Output folder.")
 _B = flags.DEFINE_integer("b", 1, "Batch.")
@@ -86,17 +90,17 @@ def profile(x, bounded, block_k, iters, interpret=False, split=False,
   bsz, _, h, dk = q.shape
   scale = dk ** -0.5
   s0 = jnp.zeros((bsz, h, dk, v.shape[-1]), jnp.float32)
-  lay = kp._layout(q, v, block_k)  # pylint: disable=protected-access
-  prep = jax.jit(lambda *a: kp._prepare(*a, lay))  # pylint: disable=protected-access
+  lay = chunk.call_layout(q, v, block_k)
+  prep = jax.jit(lambda *a: chunk.prepare(*a, lay))
   qp, kp_, vp, gp, betap, s0p = prep(q, k, v, g, beta, s0)
-  dop = kp._pad(do, lay["tp"], lay["dv"])  # pylint: disable=protected-access
+  dop = pad_to(do, lay["tp"], lay["dv"])
   dsfp = jnp.zeros_like(s0p)
   c = {}
   g_min = -5.0 if bounded else None   # the op's clamp, as kda_pallas runs it
   # grad_k's K slice as kda_pallas picks it (BLOCK_K_GRAD_K when bounded)
   grad_bk = kp.BLOCK_K_GRAD_K if bounded and kp.BLOCK_K_GRAD_K else block_k
   inverse_dot = "tf32x3" if tf32x3 else kp.INVERSE_DOT
-  f = jax.jit(functools.partial(kp._intra_call, lay=lay, bounded=bounded,  # pylint: disable=protected-access
+  f = jax.jit(functools.partial(intra.intra_call, lay=lay, bounded=bounded,
                                 interpret=interpret, for_backward=True,
                                 g_min=g_min, inverse_dot=inverse_dot,
                                 intra_order=kp.INTRA_ORDER,
@@ -107,31 +111,31 @@ def profile(x, bounded, block_k, iters, interpret=False, split=False,
   c["1 intra (b, Aqk, Lk, M, W, U)"] = median_ms(
       lambda: f(qp, kp_, gp, betap, vp), iters)
   w, u, aqk, qg, kg, ec, bp, m, lk = f(qp, kp_, gp, betap, vp)
-  f = jax.jit(functools.partial(kp._state_pass, lay=lay, interpret=interpret,  # pylint: disable=protected-access
+  f = jax.jit(functools.partial(kda_passes.run_state_pass, lay=lay, interpret=interpret,
                                 state_pass=passes))
   c["2 state pass" + tag] = median_ms(lambda: f(w, u, kg, ec, s0p), iters)
   states, v_new, _ = f(w, u, kg, ec, s0p)
-  f = jax.jit(functools.partial(kp._output_call, lay=lay, scale=scale,  # pylint: disable=protected-access
+  f = jax.jit(functools.partial(output_call, lay=lay, scale=scale,
                                 dtype=v.dtype, interpret=interpret,
                                 num_warps=kp.NUM_WARPS["output"],
                                 name="kda_chunk_output", kernel=out_kernel))
   c["3 output" + (" (mosaic)" if mosaic_out else "")] = median_ms(lambda: f(qg, aqk, v_new, states), iters)
-  f = jax.jit(functools.partial(kp._dvintra_call, lay=lay, scale=scale,  # pylint: disable=protected-access
+  f = jax.jit(functools.partial(backward.dvintra_call, lay=lay, scale=scale,
                                 interpret=interpret))
   c["b1 dv_intra"] = median_ms(lambda: f(aqk, dop), iters)
   dvi = f(aqk, dop)
-  f = jax.jit(functools.partial(kp._dstate_pass, lay=lay, scale=scale,  # pylint: disable=protected-access
+  f = jax.jit(functools.partial(kda_passes.run_dstate_pass, lay=lay, scale=scale,
                                 interpret=interpret, state_pass=passes))
   c["b2 dstate pass" + tag] = median_ms(
       lambda: f(qg, kg, ec, w, dop, dvi, dsfp), iters)
   dstates, dv_new, _ = f(qg, kg, ec, w, dop, dvi, dsfp)
-  f = jax.jit(functools.partial(kp._grad_v_call, lay=lay, scale=scale,  # pylint: disable=protected-access
+  f = jax.jit(functools.partial(backward.grad_v_call, lay=lay, scale=scale,
                                 dtype=v.dtype, bounded=bounded,
                                 interpret=interpret))
   c["b3 grad_v (dv, dU', dA, dL)"] = median_ms(
       lambda: f(m, lk, betap, vp, dop, v_new, dv_new), iters)
   _, du, da, dlk, _ = f(m, lk, betap, vp, dop, v_new, dv_new)
-  f = jax.jit(functools.partial(kp._grad_k_call, lay=lay, scale=scale,  # pylint: disable=protected-access
+  f = jax.jit(functools.partial(backward.grad_k_call, lay=lay, scale=scale,
                                 bounded=bounded, interpret=interpret,
                                 g_min=g_min, split=split,
                                 order=kp.GRAD_K_ORDER,
@@ -140,7 +144,7 @@ def profile(x, bounded, block_k, iters, interpret=False, split=False,
   c[name] = median_ms(lambda: f(qp, kp_, bp, betap, dop, v_new, du, da, dlk,
                                 states, dstates, gp=gp), iters)
 
-  run = lambda *a: kp.kda_pallas(  # noqa: E731
+  run = lambda *a: chunk.kda_pallas(  # noqa: E731
       *a, scale=None, initial_state=None, chunk_size=64, g_min=g_min,
       bounded=bounded, block_k=block_k, interpret=interpret,
       split_grad_k=split, state_pass=passes, output_kernel=out_kernel,
@@ -181,7 +185,7 @@ def main(argv):
   sweep = [(int(w), int(st), int(p)) for w in _WARPS.value
            for st in _STAGES.value for p in _PASS_BV.value]
   for warps, stages, pass_bv in sweep:
-    kp.BLOCK_V_PASS = pass_bv or orig_bv
+    kp.BLOCK_V_PASS = chunk.BLOCK_V_PASS = pass_bv or orig_bv
     kp.NUM_WARPS = ({n: warps for n in orig_warps} if warps
                     else dict(orig_warps))
     kp.NUM_WARPS.update(overrides)
@@ -209,7 +213,7 @@ def main(argv):
       print(f"\n{name}\n" + "\n".join(f"  {k:<36} {ms:9.3f} ms"
                                       for k, ms in c.items()), flush=True)
   kp.NUM_WARPS, kp.NUM_STAGES = orig_warps, orig_stages
-  kp.BLOCK_V_PASS = orig_bv
+  kp.BLOCK_V_PASS = chunk.BLOCK_V_PASS = orig_bv
 
 
 if __name__ == "__main__":

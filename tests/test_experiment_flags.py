@@ -87,7 +87,7 @@ def test_ab_kernels_interpret_smoke(tmp_path):
   # (the split backward, the Mosaic GPU state passes).
   copy = tmp_path / "gla_copy.py"
   shutil.copy(os.path.join(_ROOT, "pallas_kernels", "linear_attention",
-                           "gla_pallas.py"), copy)
+                           "gla", "chunk.py"), copy)
   res = _run("experiments.ab_kernels", "--interpret", "--shapes=1x80",
              "--iters=1", f"--versions=gla:{copy},gla:main+split+mosaic",
              f"--out={tmp_path}")

@@ -15,7 +15,8 @@ import pytest
 
 from pallas_kernels.linear_attention import (
     available_backends, chunk_gla_ref, gla, naive_recurrent_gla)
-from pallas_kernels.linear_attention.gla_pallas import Tuning, gla_pallas
+from pallas_kernels.linear_attention.gla.chunk import gla_pallas
+from pallas_kernels.linear_attention.gla.tuning import Tuning
 
 B, T, H, K, V = 1, 100, 2, 16, 32
 G_MIN = -5.0

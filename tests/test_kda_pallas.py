@@ -26,7 +26,7 @@ import pytest
 
 from pallas_kernels.linear_attention import (
     available_backends, chunk_kda_ref, kda, naive_recurrent_kda)
-from pallas_kernels.linear_attention.kda_pallas import kda_pallas
+from pallas_kernels.linear_attention.kda.chunk import kda_pallas
 
 B, T, H, K, V = 1, 130, 2, 16, 96
 G_MIN = -5.0

@@ -20,11 +20,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.linear_attention import chunk_common
 from pallas_kernels.linear_attention import chunk_gla_ref, chunk_kda_ref
-from pallas_kernels.linear_attention import gla_pallas as gla
-from pallas_kernels.linear_attention import kda_pallas as kda
-from pallas_kernels.linear_attention import state_mosaic as sm
+from pallas_kernels.linear_attention.common import mosaic as sm
+from pallas_kernels.linear_attention.common.output import output_call
+from pallas_kernels.linear_attention.gla import chunk as gla
+from pallas_kernels.linear_attention.gla import passes as gla_passes
+from pallas_kernels.linear_attention.gla import tuning as gla_tuning
+from pallas_kernels.linear_attention.kda import chunk as kda
+from pallas_kernels.linear_attention.kda import passes as kda_passes
 
 BF16 = jnp.bfloat16
 SCALE = 0.3
@@ -71,19 +74,19 @@ def _mosaic_call(name, d, layout, interpret=True):
 
 
 def _triton_pass(name, d):
-  lay = kda._layout(jnp.zeros(d["kg"].shape, BF16), d["x"], 32)
-  tune = gla.Tuning(pass_bk=64, pass_bv=16)
-  glay = gla._layout(jnp.zeros(d["kg"].shape, BF16), d["x"], tune)
+  lay = kda.call_layout(jnp.zeros(d["kg"].shape, BF16), d["x"], 32)
+  tune = gla_tuning.Tuning(pass_bk=64, pass_bv=16)
+  glay = gla.call_layout(jnp.zeros(d["kg"].shape, BF16), d["x"], tune)
   if name == "kda_state":
-    return kda._state_call(d["w"], d["x"], d["kg"], d["ec"], d["s0"], lay,
+    return kda_passes.state_call(d["w"], d["x"], d["kg"], d["ec"], d["s0"], lay,
                            True)
   if name == "gla_state":
-    return gla._state_call(d["kg"], d["x"], d["ec"], d["s0"], glay, tune,
+    return gla_passes.state_call(d["kg"], d["x"], d["ec"], d["s0"], glay, tune,
                            True)
   if name == "gla_dstate":
-    return gla._dstate_call(d["qg"], d["do"], d["ec"], d["s0"], glay, SCALE,
+    return gla_passes.dstate_call(d["qg"], d["do"], d["ec"], d["s0"], glay, SCALE,
                             tune, True)
-  return kda._dstate_call(d["qg"], d["kg"], d["ec"], d["w"], d["do"],
+  return kda_passes.dstate_call(d["qg"], d["kg"], d["ec"], d["w"], d["do"],
                           d["dvi"], d["s0"], lay, SCALE, True)
 
 
@@ -142,8 +145,8 @@ def _mosaic_output(d, interpret=True):
 def test_output_matches_triton(output_inputs):
   fn, args = _mosaic_output(output_inputs)
   got = fn(*args)
-  lay = kda._layout(output_inputs["qg"], output_inputs["x"], 32)
-  want = chunk_common._output_call(*args, lay, SCALE, BF16, True, 4, "o")
+  lay = kda.call_layout(output_inputs["qg"], output_inputs["x"], 32)
+  want = output_call(*args, lay, SCALE, BF16, True, 4, "o")
   assert got.shape == want.shape and got.dtype == want.dtype
   assert np.all(np.isfinite(np.asarray(got, np.float32)))
   assert rel_err(got, want) < 2e-3
@@ -183,7 +186,7 @@ def _op(name, kernels):
                             chunk_size=64, g_min=-5.0, interpret=True,
                             state_pass=kernels, output_kernel=kernels)
     return f
-  tune = gla.Tuning(state_pass=kernels, output_kernel=kernels)
+  tune = gla_tuning.Tuning(state_pass=kernels, output_kernel=kernels)
 
   def f(q, k, v, g, beta, s0):
     del beta
@@ -252,9 +255,9 @@ def test_bad_state_pass_inputs_name_the_field():
                    chunk_size=64, g_min=-5.0, interpret=True,
                    state_pass="cuda")
   with pytest.raises(ValueError, match="tune.state_pass must be one of"):
-    gla.check_tuning(gla.Tuning(state_pass="cuda"))
+    gla_tuning.check_tuning(gla_tuning.Tuning(state_pass="cuda"))
   with pytest.raises(ValueError, match="tune.output_kernel must be one of"):
-    gla.check_tuning(gla.Tuning(output_kernel="cuda"))
+    gla_tuning.check_tuning(gla_tuning.Tuning(output_kernel="cuda"))
   with pytest.raises(ValueError, match="output_kernel must be one of"):
     kda.kda_pallas(*args[:5], scale=None, initial_state=args[5],
                    chunk_size=64, g_min=-5.0, interpret=True,
@@ -277,7 +280,7 @@ def test_bad_state_pass_inputs_name_the_field():
   with pytest.raises(ValueError, match="multiple of 64"):
     gla.gla_pallas(*narrow[:4], scale=None, initial_state=narrow[5],
                    chunk_size=64, g_min=-5.0, interpret=True,
-                   tune=gla.Tuning(state_pass="mosaic"))
+                   tune=gla_tuning.Tuning(state_pass="mosaic"))
   with pytest.raises(ValueError, match="block_k must be"):
     sm.check_state_pass(128, 32, BF16, 64, 16, "rows", whole_k=True)
   with pytest.raises(ValueError, match="block_v must be"):

@@ -109,7 +109,7 @@ class KDA(nn.Module):
     backend: linear-attention backend ("auto" | "xla" | "pallas" | "interpret").
     pallas_stages: "auto" (the kernel module's defaults) | "triton" |
       "mosaic": the Pallas kernel's state passes and output kernel as Triton
-      or Mosaic GPU (wgmma) kernels (kda_pallas state_pass / output_kernel;
+      or Mosaic GPU (wgmma) kernels (kda/chunk.py state_pass / output_kernel;
       "mosaic" needs bf16 and a head dim > 32). Used only when the op runs
       the Pallas kernel.
     context_axis: mesh axis that, when the ambient mesh (jax.set_mesh) has it

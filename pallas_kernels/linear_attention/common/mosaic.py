@@ -54,7 +54,7 @@ try:
 except ImportError:  # pragma: no cover - every supported jax has it
   plgpu = None
 
-from pallas_kernels.linear_attention.chunk_common import CHUNK
+from pallas_kernels.linear_attention.common.tiles import CHUNK
 
 _F32 = jnp.float32
 LAYOUTS = ("rows", "cols")

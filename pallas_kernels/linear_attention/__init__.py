@@ -1,8 +1,10 @@
-"""Chunked linear attention (GLA, KDA) with per-channel log decay. docs/design.md §4.
+"""GLA and KDA, linear attention with per-channel log decay (docs/design.md §4).
 
 One folder per op, gla/ and kda/ (naive.py the references, chunk.py the Pallas
 op, its kernels, tuning.py, step.py), common/ for what both share; ops.py is
-the public API.
+the public API. The op functions `gla` and `kda` bound here hide the
+subpackages' names as attributes of this package: import a folder's module by
+its full path (`from pallas_kernels.linear_attention.kda import chunk`).
 """
 import functools
 

@@ -239,8 +239,9 @@ def gla(q, k, v, g, *, scale=None, initial_state=None, backend="auto",
     backend: "auto" | "xla" | "pallas" | "interpret".
     chunk_size: 16, 32, 64 or 128.
     g_min: None, or a python float < 0 promising g >= g_min (bounded decay).
-    pallas_options: keyword options of the Pallas kernel (gla_pallas: tune,
-      bounded), used when the call runs it; ignored by the XLA oracle.
+    pallas_options: keyword options of the Pallas kernel (gla/chunk.py:
+      tune, a gla.tuning.Tuning; bounded), used when the call runs it;
+      ignored by the XLA oracle.
   Returns:
     o [B, T, H, V] in v.dtype, final state [B, H, K, V] fp32.
   """
@@ -268,10 +269,9 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, backend="auto",
     backend: "auto" | "xla" | "pallas" | "interpret".
     chunk_size: 16, 32, 64 or 128.
     g_min: None, or a python float < 0 promising g >= g_min (bounded decay).
-    pallas_options: keyword options of the Pallas kernel (kda_pallas:
-      state_pass, output_kernel, split_grad_k, grad_k_order, grad_k_block_k,
-      intra_order, solve_apart, inverse_dot, block_k, bounded), used when
-      the call runs it; ignored by the XLA oracle.
+    pallas_options: keyword options of the Pallas kernel (kda/chunk.py:
+      tune, a kda.tuning.Tuning; bounded), used when the call runs it;
+      ignored by the XLA oracle.
   Returns:
     o [B, T, H, V] in v.dtype, final state [B, H, K, V] fp32.
   """

@@ -2,9 +2,13 @@
 
 One K slice of one chunk. dL/db is formed term by term, "+b" terms (the
 query side, q exp(b)) minus "-b" terms (the key side, k exp(-b)), and dg is
-its within-chunk reverse cumsum: the chunk-end terms (`end_terms`), the
-stores (`store_key_side_tile`), the row tiles pulling their own terms
-(`pull_key_side_grads`) and the contractions over V (`state_side_terms`).
+its within-chunk reverse cumsum. Each tile pair's product is formed with the
+same rounded operands on its query and key sides, so that the two cancel in
+dg's cumsum as in exact arithmetic (q dq and k dk computed apart leave
+bf16-rounding residues: dg error 1.7e-2 instead of 4.0e-3 at T=130,
+K=V=32). The pieces: the contractions over V (`state_side_terms`), the row
+tiles pulling their own terms (`pull_key_side_grads`) and the stores
+(`store_key_side_tile`).
 """
 from __future__ import annotations
 
@@ -15,8 +19,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.linear_attention.common.tiles import (
-    N_TILES, TILE, F32, NN, NT, TN, chunk_spec, compiler_params, mm_dot,
-    pair_decay, shape_of, square_tile, tile_iota, tile_rows)
+    N_TILES, TILE, F32, NN, NT, TN, chunk_spec, mm_dot, pair_decay,
+    square_tile, tile_iota, tile_rows)
 
 
 def _v_dot(x_ref, y_ref, t, *, bv, mm):
@@ -30,30 +34,6 @@ def _v_dot(x_ref, y_ref, t, *, bv, mm):
   return acc
 
 
-def end_terms(x_dh, dh_s, k_t, b, b_last):
-  """The chunk-end terms of one K slice, through S_{n+1} = diag(exp(b_C)) S_n
-  + (k exp(b_C - b))^T X (GLA: X = v; KDA: X = V').
-
-  x_dh(j) -> (X dH^T)[tile j] [16, w] fp32 (dH the grad of the state
-  leaving the chunk); dh_s [w] = sum_v dH * S_n; k_t 4 x [16, w] fp32;
-  b 4 x [16, w], b_last [w] fp32.
-  Returns (dk_neg, db_neg, d_end): the "-b" factors (X dH^T) exp(b_C - b)
-  and k times them (4 x [16, w] each), and d/db_C [w] (the chunk's last
-  row):  sum_v dH * S_{n+1} = exp(b_C) sum_v dH * S_n + sum_c k_c
-  exp(b_C - b_c) (X dH^T)_c. The second sum is the column sum of the "-b"
-  end terms just formed (the same fp32 products, so that they cancel in the
-  reverse cumsum), and no S_{n+1} is read.
-  """
-  dk_neg, db_neg, d_end = [], [], None
-  for j in range(N_TILES):
-    t_end = x_dh(j) * jnp.exp(b_last[None, :] - b[j])
-    dk_neg.append(t_end)
-    db_neg.append(k_t[j] * t_end)
-    part = jnp.sum(db_neg[j], axis=0)
-    d_end = part if d_end is None else d_end + part
-  return dk_neg, db_neg, d_end + jnp.exp(b_last) * dh_s
-
-
 def _dh_dot_s(dh_ref, s_ref, bv):
   """sum_v dH * S [w] fp32 for state slices dh_ref, s_ref [w, V]."""
   acc = None
@@ -65,24 +45,14 @@ def _dh_dot_s(dh_ref, s_ref, bv):
   return acc
 
 
-def state_side_terms(refs, split, bv, mm, delta):
+def state_side_terms(refs, bv, mm, delta):
   """The state-side inputs of grad_k for one K slice, as functions of the
   row tile: (dO S^T, dU' S^T (KDA only, else None), X dH^T) and
-  sum_v dH * S [w].
+  sum_v dH * S [w], contracted over V here in bv-column blocks.
 
-  split=False: refs = (do, [du,] x, s, dh) and the contractions over V are
-  done here (`_v_dot`); split=True: refs = (p_do, [p_du,] p_end, e), the
-  same contractions precomputed by `_state_side_kernel` [C, w] and [w]
-  fp32.
+  refs = (do, [du,] x, s, dh): do, du, x [C, V] (GLA: x = v; KDA: x = V'),
+  s (the state entering), dh (the grad of the state leaving) [w, V].
   """
-  if split:
-    if delta:
-      p_do, p_du, p_end, e_ref = refs
-    else:
-      (p_do, p_end, e_ref), p_du = refs, None
-    rows = lambda ref: (lambda t: ref[tile_rows(t), :].astype(F32))  # noqa: E731
-    return (rows(p_do), rows(p_du) if delta else None, rows(p_end),
-            e_ref[...].astype(F32))
   if delta:
     do_ref, du_ref, x_ref, s_ref, dh_ref = refs
   else:
@@ -94,108 +64,30 @@ def state_side_terms(refs, split, bv, mm, delta):
           _dh_dot_s(dh_ref, s_ref, bv))
 
 
-def _state_side_kernel(*refs, uses_dh, bv, mm):
-  # One chunk, one K block of width w: refs = x_1..x_m [C, V] (dO, dU',
-  # V' for KDA; dO, v for GLA), s_ref (state entering), dh_ref (grad of the
-  # state leaving) [w, V] (matmul dtype), then the outputs p_1..p_m [C, w]
-  # fp32 (p_i = x_i S^T, or x_i dH^T where uses_dh[i]) and e_ref [w] fp32
-  # (sum_v dH * S). Dense [C, bv] x [bv, w] dots over V blocks: the
-  # contractions over V that grad_k would otherwise redo per K slice in
-  # [16, V] tiles.
-  m = len(uses_dh)
-  xs, (s_ref, dh_ref), ps, e_ref = (refs[:m], refs[m:m + 2],
-                                    refs[m + 2:2 * m + 2], refs[-1])
-  accs, e = [None] * m, None
-  for cv in range(0, s_ref.shape[-1], bv):
-    cols = pl.ds(cv, bv)
-    s_blk, dh_blk = s_ref[:, cols], dh_ref[:, cols]
-    for i in range(m):
-      part = mm_dot(xs[i][:, cols], dh_blk if uses_dh[i] else s_blk, NT, mm)
-      accs[i] = part if accs[i] is None else accs[i] + part
-    part = jnp.sum(dh_blk.astype(F32) * s_blk.astype(F32), axis=1)
-    e = part if e is None else e + part
-  for p_ref, acc in zip(ps, accs):
-    p_ref[...] = acc
-  e_ref[...] = e
-
-
-def _state_side_call(xs, uses_dh, states, dstates, lay, bk, num_warps,
-                     interpret, name):
-  """The state-side contractions of grad_k, precomputed: for each x in xs
-  ([B, Tp, H, V]) x S_n^T or x dH_n^T [B, Tp, H, Kp] fp32, and sum_v dH * S
-  [B, H, N, Kp] fp32. Grid (B, H, N, Kp/bk), parallel."""
-  kp, dv = lay["kp"], lay["dv"]
-  bk = min(kp, bk)
-  k_blk = chunk_spec(bk, True)
-  state_blk = pl.BlockSpec((None, None, None, bk, dv),
-                           lambda b, h, n, j: (b, h, n, j, 0))
-  return pl.pallas_call(
-      functools.partial(_state_side_kernel, uses_dh=tuple(uses_dh),
-                        bv=lay["bv"], mm=lay["mm"]),
-      grid=(lay["bsz"], lay["h"], lay["n_chunks"], kp // bk),
-      in_specs=[chunk_spec(dv)] * len(xs) + [state_blk, state_blk],
-      out_specs=[k_blk] * len(xs) + [pl.BlockSpec(
-          (None, None, None, bk), lambda b, h, n, j: (b, h, n, j))],
-      out_shape=[shape_of(lay, "bsz", "tp", "h", "kp")] * len(xs)
-      + [shape_of(lay, "bsz", "h", "n_chunks", "kp")],
-      compiler_params=compiler_params(num_warps, 2),
-      interpret=interpret,
-      name=name,
-  )(*xs, states, dstates)
-
-
-def state_side_inputs(xs, uses_dh, states, dstates, lay, split, bk_side,
-                       num_warps, interpret, name):
+def state_side_inputs(xs, states, dstates, lay):
   """grad_k's state-side inputs and their block specs (grid (B, H, N, K
-  slice j)), in the order `state_side_terms` unpacks them.
-
-  xs: the [B, Tp, H, V] arrays contracted over V (KDA: dO, dU', V'; GLA:
-  dO, v), each against S_n or, where uses_dh, dH_n; states, dstates
-  [B, H, N, Kp, V]. split=False: xs, states, dstates themselves (grad_k
-  contracts per K slice); split=True: their contractions, run here first in
-  `_state_side_kernel` (K blocks of bk_side, num_warps warps, kernel name).
-  """
+  slice j)), in the order `state_side_terms` unpacks them: xs, the [B, Tp,
+  H, V] arrays contracted over V (KDA: dO, dU', V'; GLA: dO, v), then the
+  states and dstates [B, H, N, Kp, V], one K slice of each."""
   bk, dv = lay["bk"], lay["dv"]
-  if split:
-    side = _state_side_call(xs, uses_dh, states, dstates, lay, bk_side,
-                            num_warps, interpret, name)
-    specs = [chunk_spec(bk, True)] * len(xs) + [pl.BlockSpec(
-        (None, None, None, bk), lambda b, h, n, j: (b, h, n, j))]
-    return list(side), specs
   state_slice = pl.BlockSpec((None, None, None, bk, dv),
                              lambda b, h, n, j: (b, h, n, j, 0))
   return (list(xs) + [states, dstates],
           [chunk_spec(dv)] * len(xs) + [state_slice] * 2)
 
 
-def store_key_side_grads(dq, dk, db, d_end, dq_ref, dk_ref, dg_ref, g_ref,
-                          g_min):
-  """Stores dq, dk (in their refs' dtypes) and dg for one K slice.
-
-  dq, dk, db: 4 x [16, w] fp32 (db = dL/db without the chunk-end term);
-  d_end [w] (added at the chunk's last row). dg is the within-chunk reverse
-  cumsum of dL/db, last tile first (`store_key_side_tile`).
-  """
-  later = None
-  for i in reversed(range(N_TILES)):
-    later = store_key_side_tile(i, dq[i], dk[i], db[i], d_end, later,
-                                 dq_ref, dk_ref, dg_ref, g_ref, g_min)
-
-
 def pull_key_side_grads(row_terms, pairs, q_ref, k_ref, b_ref, g_ref,
-                         x_dh, dh_s, dq_ref, dk_ref, dg_ref, *, bounded, mm,
+                        x_dh, dh_s, dq_ref, dk_ref, dg_ref, *, bounded, mm,
                          g_min):
   """dq, dk and dg of one K slice, each row tile PULLING its own terms.
 
-  The key-side grads of GLA and KDA (`grad_k` kernels, "pull" order). The
-  row tiles run last first in a fori_loop; tile i forms its "+b" terms from
-  the key tiles j <= i and its "-b" terms from the query tiles m >= i in
-  inner fori_loops and stores dq, dk, dg at once: only the reverse
-  cumsum's running row is carried across tiles, so the live set is one
-  tile's (holding every tile's results to the end, the "held" order, took
-  255 registers and spilled at w=32). Each tile pair's product is formed
-  with the same rounded operands on its query and key sides, so the two
-  cancel in dg's cumsum as in exact arithmetic.
+  The key-side grads of GLA and KDA (their `grad_k` kernels). The row
+  tiles run last first in a fori_loop; tile i forms its "+b" terms from the
+  key tiles j <= i and its "-b" terms from the query tiles m >= i in inner
+  fori_loops and stores dq, dk, dg at once: only the reverse cumsum's
+  running row is carried across tiles, so the live set is one tile's (which
+  keeps grad_k within its registers; holding every tile's results to the
+  end spilled).
 
   row_terms(i, q_i, k_i, b_i) -> (dq_i, dk_i, db_i) [16, w] fp32: row tile
   i's terms through the state (and KDA's delta-rule rows); it may store
@@ -227,9 +119,10 @@ def pull_key_side_grads(row_terms, pairs, q_ref, k_ref, b_ref, g_ref,
   def end_sum(t, acc):
     return acc + jnp.sum(load(k_ref, t) * end_term(t), axis=0)
 
-  # d/db_C (`end_terms`), needed before the last tile is stored: the
-  # chunk-end terms run once here for their column sums and again per tile
-  # (same code: the two differ at most by fp32 rounding).
+  # d/db_C, needed before the last tile is stored: sum_v dH * S_{n+1} =
+  # exp(b_C) sum_v dH * S_n + sum_c k_c exp(b_C - b_c) (X dH^T)_c, from the
+  # chunk-end terms (no S_{n+1} read). They run once here for their column
+  # sums and again per tile (same code: same fp32 products).
   d_end = jax.lax.fori_loop(0, N_TILES, end_sum, jnp.zeros((w,), F32))
   d_end = d_end + jnp.exp(b_last) * dh_s
 
@@ -295,13 +188,13 @@ def pull_key_side_grads(row_terms, pairs, q_ref, k_ref, b_ref, g_ref,
     # d_end enters at the chunk's last row, so every row's reverse sum
     # holds it: `later` starts at d_end (and the store adds no d_end).
     return store_key_side_tile(i, dq_i, dk_i + dk_neg, db_i - db_neg, None,
-                                later, dq_ref, dk_ref, dg_ref, g_ref, g_min)
+                               later, dq_ref, dk_ref, dg_ref, g_ref, g_min)
 
   jax.lax.fori_loop(0, N_TILES, row_tile, d_end)
 
 
 def store_key_side_tile(i, dq_i, dk_i, db_i, d_end, later, dq_ref, dk_ref,
-                         dg_ref, g_ref, g_min):
+                        dg_ref, g_ref, g_min):
   """Stores row tile i of dq, dk (in their refs' dtypes) and dg; tiles go
   last first (i = 3, 2, 1, 0).
 

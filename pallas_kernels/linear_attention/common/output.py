@@ -19,12 +19,12 @@ def _output_kernel(qg_ref, aqk_ref, vnew_ref, s_ref, o_ref, *, scale, mm):
   # qg_ref (q exp(b), exp(b) <= 1) [C, Kp]; aqk_ref [C, C]; vnew_ref, o_ref
   # [C, BV]; s_ref [Kp, BV]. O = scale ((q exp(b)) S + Aqk V').
   out = mm_dot(qg_ref[...], s_ref[...], mm=mm) + mm_dot(aqk_ref[...],
-                                                    vnew_ref[...], mm=mm)
+                                                        vnew_ref[...], mm=mm)
   o_ref[...] = (scale * out).astype(o_ref.dtype)
 
 
 def output_call(qg, aqk, v_new, states, lay, scale, dtype, interpret,
-                 num_warps, name, kernel="triton"):
+                num_warps, name, kernel="triton"):
   """O = scale ((q exp(b)) S_n + Aqk X) [B, Tp, H, V] in dtype: qg [B, Tp,
   H, Kp], Aqk [B, H, Tp, C], X [B, Tp, H, V] (GLA: v; KDA: V'), states
   [B, H, N, Kp, V]. Grid (B, H, N, V/bv), parallel. kernel "mosaic": the
@@ -33,7 +33,7 @@ def output_call(qg, aqk, v_new, states, lay, scale, dtype, interpret,
   kp, bv = lay["kp"], lay["bv"]
   if kernel == "mosaic":
     return mosaic.output(qg, aqk, v_new, states, scale=scale,
-                               out_dtype=dtype, bv=bv, interpret=interpret)
+                         out_dtype=dtype, bv=bv, interpret=interpret)
   return pl.pallas_call(
       functools.partial(_output_kernel, scale=scale, mm=lay["mm"]),
       grid=(lay["bsz"], lay["h"], lay["n_chunks"], lay["nv"]),

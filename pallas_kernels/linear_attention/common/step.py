@@ -1,8 +1,8 @@
-"""One-token GLA and KDA steps (decoding) as one Pallas kernel (Triton lowering).
+"""The one-token GLA and KDA step (decoding) as one Pallas kernel (Triton).
 
-Registered as the "pallas" (GPU) and "interpret" (CPU) backends of
-`ops.gla_step` / `ops.kda_step`; `reference.recurrent_step_gla/kda` is the
-oracle. Per (batch, head, V block), with the state block S [K, BV] fp32:
+gla/step.py and kda/step.py wrap it; they are registered as the "pallas"
+(GPU) and "interpret" (CPU) backends of `ops.gla_step` / `ops.kda_step`, and
+`recurrent_step_gla/kda` (gla/naive.py, kda/naive.py) are the oracles. Per (batch, head, V block), with the state block S [K, BV] fp32:
     GLA: S' = diag(exp(g)) S + k v^T
     KDA: S~ = diag(exp(g)) S;  S' = S~ + (beta k) (v - S~^T k)^T
     o   = scale S'^T q

@@ -2,8 +2,8 @@
 
 docs/design.md §4. A chunk is C = 64 rows in 4 tiles of 16; b is the
 within-chunk inclusive cumsum of the log decay g and b_C its last row.
-  * `cumsum_tiles` / `decay_tiles`: b tile by tile (computed once, by the
-    intra kernel, and stored: every later kernel sees the same rounded b);
+  * `cumsum_tiles`: b tile by tile (computed once, by the intra kernel,
+    and stored: every later kernel sees the same rounded b);
   * `row_slice_scores`: one K slice of one row tile of a decayed score
     matrix P_ij = sum_d x_id y_jd exp(b_id - b_jd), j <= i; dense dots
     anchored at the query tile's first row on the bounded path, position
@@ -17,7 +17,6 @@ within-chunk inclusive cumsum of the log decay g and b_C its last row.
   * the input checks (`check_g_min`, `check_dims`).
 """
 from __future__ import annotations
-
 
 import jax
 import jax.numpy as jnp
@@ -118,32 +117,14 @@ def tile_rows(t):
   return pl.ds(t * TILE, TILE)
 
 
-def decay_tiles(b_ref, cols):
-  """Within-chunk decays of one chunk, tile by tile, for the columns `cols`.
-
-  b_ref holds b, the within-chunk inclusive cumsum of g, as the intra
-  kernel stored it (so that every kernel sees the same rounded b and
-  exponent differences such as b_C - b_j are consistent across kernels).
-  Returns b_tiles (4 x [16, w] fp32), anchors (4 x [1, w]: b at the first
-  row of each tile) and b_C [w] (the chunk's last row, taken as a masked
-  sum: exact).
-  """
-  b_tiles = [b_ref[tile_rows(t), cols].astype(F32) for t in range(N_TILES)]
-  anchors = [b_ref[pl.ds(t * TILE, 1), cols].astype(F32)
-             for t in range(N_TILES)]
-  last = jax.lax.broadcasted_iota(jnp.int32, b_tiles[-1].shape, 0) == TILE - 1
-  b_last = jnp.sum(jnp.where(last, b_tiles[-1], 0.0), axis=0)
-  return b_tiles, anchors, b_last
-
-
 def cumsum_tiles(g_ref, cols, n_tiles=N_TILES, g_min=None):
   """b, the within-chunk inclusive cumsum of g, for the columns `cols`.
 
-  The same triple as decay_tiles, computed from g for the first `n_tiles`
-  tiles (the last element is then b at the last row of tile n_tiles - 1,
-  b_C when n_tiles = N_TILES): each 16-row tile is cumsummed on its own and
-  offset by the previous tiles' total (the last row of the previous tile,
-  taken as a masked sum: exact). The intra kernel stores these b tiles for
+  Returns b_tiles (n_tiles x [16, w] fp32), anchors (n_tiles x [1, w]: b at
+  the first row of each tile) and b at the last row of tile n_tiles - 1
+  [w] (b_C when n_tiles = N_TILES). Each 16-row tile is cumsummed on its
+  own and offset by the previous tiles' total (the last row of the previous
+  tile, taken as a masked sum: exact). The intra kernel stores these b tiles for
   the backward, so every kernel sees the same rounded b; re-running this on
   the same slice gives the same bits, for any n_tiles.
 
@@ -210,7 +191,7 @@ def row_slice_scores(i, xs, y_t, b, c, mask, bounded, mm):
 
 
 def row_slice_operands(i, cols, q_ref, k_ref, g_ref, g_min, b_ref, qg_ref,
-                        kg_ref, ec_ref):
+                       kg_ref, ec_ref):
   """The intra kernels' per-(row tile i, K slice) loads and decay stores.
 
   Computes b for tiles 0..i (clamped g, `cumsum_tiles`) and stores what
@@ -224,12 +205,12 @@ def row_slice_operands(i, cols, q_ref, k_ref, g_ref, g_min, b_ref, qg_ref,
   k_t = [k_ref[tile_rows(t), cols].astype(F32) for t in range(i + 1)]
   q_i = q_ref[tile_rows(i), cols].astype(F32)
   store_row_decays(i, cols, b, b_end, k_t, q_i, b_ref, qg_ref, kg_ref,
-                    ec_ref)
+                   ec_ref)
   return b, c, k_t, q_i
 
 
 def store_row_decays(i, cols, b, b_end, k_t, q_i, b_ref, qg_ref, kg_ref,
-                      ec_ref):
+                     ec_ref):
   """Row tile i's decay stores of one K slice (`row_slice_operands`): b
   (b_ref, or None), q exp(b), and on the last row tile k exp(b_C - b) and
   exp(b_C). b, k_t: tiles 0..i [16, w] fp32; b_end [w]: b at the last row

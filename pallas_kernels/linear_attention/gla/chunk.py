@@ -1,6 +1,6 @@
 """Chunked GLA as Pallas kernels (Triton lowering): forward and backward.
 
-DESIGN 3.1 / 3.2 / 4. Registered as the "pallas" (GPU) and "interpret" (the
+docs/design.md §3-4. Registered as the "pallas" (GPU) and "interpret" (the
 same kernels interpreted on CPU) backends of `ops.gla`.
 
 GLA, per token: S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T, o_t = scale S_t^T q_t.
@@ -9,9 +9,9 @@ of g, b_C its last row, S = S_n the state entering chunk n):
     A_ij    = sum_d q_id k_jd exp(b_id - b_jd)  (j <= i)
     O       = scale ((q exp(b)) S + A v)
     S_{n+1} = diag(exp(b_C)) S + (k exp(b_C - b))^T v.
-The kernels are those of kda_pallas without the delta rule (no Lk, inverse,
-W, U or V'), built from the same pieces (chunk_common), so that what was
-measured on one carries to the other (results/kernels.md, session 16).
+The kernels are KDA's without the delta rule (no Lk, inverse, W, U or V'),
+built from the same pieces (common/), so that what was measured on one
+carries to the other.
 
 Two intra-chunk paths (static flag `bounded`, default: bounded iff g_min is
 given):
@@ -48,7 +48,7 @@ Kernels (inputs stay in the caller's [B, T, H, D] layout: no transposes):
        blocked as well as V: more programs for the one sequential pass.
        Stores the state entering each chunk [B, H, N, K, V] in the matmul
        dtype (carried in fp32) and the final state.
-    3. the output, O = scale ((q exp(b)) S + A v), chunk_common's kernel
+    3. the output, O = scale ((q exp(b)) S + A v), common/output.py's kernel
        (two dense dots per chunk and V block).
   backward (the forward keeps kernel 1's outputs: b, q exp(b),
   k exp(b_C - b), exp(b_C), A; the state pass is re-run, and in one jit XLA
@@ -67,18 +67,13 @@ Kernels (inputs stay in the caller's [B, T, H, D] layout: no transposes):
          dg = within-chunk reverse cumsum of dL/db (64 terms, not T).
        A tile pair's query-side and key-side contributions to dL/db are
        multiplied by the same rounded dot operands, so that they cancel in
-       the cumsum as in exact arithmetic (chunk_common, kda_pallas).
+       the cumsum as in exact arithmetic (common/key_side.py).
        dq, dk are stored in q's and k's dtype.
 The wrapper pads T with q=k=v=0, g=0 (inert) and K to a power of two with
 zero channels, only when needed, and slices back. Dots accumulate in fp32;
-with bf16 inputs their operands are bf16.
-
-Session 16 rebuilt GLA this way (before: the state passes cumsummed g on
-their critical path, the output and grad kernels recomputed A per V block,
-the grad kernel wrote per-V-block partial dq, dk and XLA formed dg; H200 B1
-T32768 H16 D128 bf16: 3.96 ms forward, 13.37 ms forward+backward, against
-fla chunk_gla's 1.78 / 6.88; results/kernels.md). The rebuilt kernels are
-not yet timed on a card.
+with bf16 inputs their operands are bf16. Kernels 1 (intra.py), 2 and 4
+(passes.py), 3 (common/output.py), 5 and 6 (backward.py); block sizes,
+warps and stage kernels: tuning.Tuning.
 """
 from __future__ import annotations
 
@@ -88,6 +83,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.linear_attention import ops
 from pallas_kernels.linear_attention.common import mosaic
 from pallas_kernels.linear_attention.common.output import output_call
 from pallas_kernels.linear_attention.common.tiles import (
@@ -108,7 +104,7 @@ __all__ = ["gla_pallas", "register", "Tuning", "DEFAULT_TUNING", "check_tuning",
 
 def call_layout(q, v, tune):
   return chunk_layout(q, v, block_k=tune.block_k, bv_pass=tune.pass_bv,
-                       bk_pass=tune.pass_bk, bv=tune.bv)
+                      bk_pass=tune.pass_bk, bv=tune.bv)
 
 
 _STATIC = ("scale", "bounded", "g_min", "tune", "interpret")
@@ -125,11 +121,11 @@ def _gla_fwd(q, k, v, g, s0, *, scale, bounded, g_min, tune, interpret,
   vp = pad_to(v, tp, lay["dv"])
   s0p = jnp.pad(s0, ((0, 0), (0, 0), (0, kp - dk), (0, 0)))
   intra = intra_call(qp, kp_, gp, lay, bounded, g_min, tune, interpret,
-                      for_backward)
+                     for_backward)
   aqk, qg, kg, ec = intra[:4]
   states, s_final = run_state_pass(kg, vp, ec, s0p, lay, tune, interpret)
   o = output_call(qg, aqk, vp, states, lay, scale, v.dtype, interpret,
-                   tune.output_warps, "gla_chunk_output", tune.output_kernel)
+                  tune.output_warps, "gla_chunk_output", tune.output_kernel)
   out = o[:, :lay["t"]], s_final[:, :, :dk]
   return (out, intra) if for_backward else out
 
@@ -147,15 +143,15 @@ def _gla_bwd(q, k, v, g, s0, intra, do, ds_final, *, scale, bounded, g_min,
   dop = pad_to(do.astype(v.dtype), tp, dv)
   s0p = jnp.pad(s0, ((0, 0), (0, 0), (0, kp - dk), (0, 0)))
   dsfp = jnp.pad(ds_final.astype(F32), ((0, 0), (0, 0), (0, kp - dk),
-                                         (0, 0)))
+                                        (0, 0)))
   aqk, qg, kg, ec, bp = intra
   states, _ = run_state_pass(kg, vp, ec, s0p, lay, tune, interpret)
   dstates, ds0 = run_dstate_pass(qg, dop, ec, dsfp, lay, scale, tune, interpret)
   dvp, da = dv_call(aqk, kg, vp, dop, dstates, lay, scale, v.dtype, bounded,
-                     tune, interpret)
+                    tune, interpret)
   gp = None if g_min is None else pad_to(g, tp, kp)
   dq, dk_, dg = grad_k_call(qp, kp_, bp, gp, dop, vp, da, states, dstates,
-                             lay, scale, bounded, g_min, tune, interpret)
+                            lay, scale, bounded, g_min, tune, interpret)
   dq, dk_, dg = (x[:, :t, :, :dk] for x in (dq, dk_, dg))
   return dq, dk_, dvp[:, :t], dg, ds0[:, :, :dk]
 
@@ -220,7 +216,7 @@ def gla_pallas(q, k, v, g, *, scale, initial_state, chunk_size, g_min,
         mosaic.default_layout(interpret), whole_k=False)
   if tune.output_kernel == "mosaic":
     mosaic.check_state_pass(kp, dv, v.dtype, kp, block_v(dv, tune.bv),
-                                  "rows", whole_k=True, what="output_kernel")
+                            "rows", whole_k=True, what="output_kernel")
   scale = float(dk) ** -0.5 if scale is None else float(scale)
   if initial_state is None:
     initial_state = jnp.zeros((bsz, h, dk, dv), F32)
@@ -233,7 +229,6 @@ def gla_pallas(q, k, v, g, *, scale, initial_state, chunk_size, g_min,
 
 
 def register():
-  from pallas_kernels.linear_attention import ops
   ops.register_backend("pallas", gla=gla_pallas)
   ops.register_backend("interpret",
                        gla=functools.partial(gla_pallas, interpret=True))

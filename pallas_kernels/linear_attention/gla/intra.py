@@ -32,7 +32,7 @@ def _intra_kernel(q_ref, k_ref, g_ref, aqk_ref, qg_ref, kg_ref, ec_ref,
     def row_body(kk, acc, i=i):
       cols = k_slice(kk, bk)
       b, c, k_t, q_i = row_slice_operands(i, cols, q_ref, k_ref, g_ref,
-                                           g_min, b_ref, qg_ref, kg_ref,
+                                          g_min, b_ref, qg_ref, kg_ref,
                                            ec_ref)
       [scores] = row_slice_scores(i, [q_i], k_t, b, c, causal, bounded, mm)
       return tuple(a + p for a, p in zip(acc, scores))
@@ -44,7 +44,7 @@ def _intra_kernel(q_ref, k_ref, g_ref, aqk_ref, qg_ref, kg_ref, ec_ref,
 
 
 def intra_call(qp, kp_, gp, lay, bounded, g_min, tune, interpret,
-                for_backward):
+               for_backward):
   """Kernel 1: [Aqk, qg, kg, ec] (+ [b] with for_backward): Aqk [B, H, Tp,
   C], qg = q exp(b), kg = k exp(b_C - b) [B, Tp, H, Kp] in the matmul dtype;
   ec = exp(b_C) [B, H, N, Kp] and b [B, Tp, H, Kp] fp32."""

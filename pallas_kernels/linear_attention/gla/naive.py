@@ -116,7 +116,7 @@ def chunk_gla_ref(q, k, v, g, *, scale=None, initial_state=None,
   # KDA's reference (two score reduces over the same decays) compiles in
   # seconds as it is.
   aqk = pair_scores(qc, kc,
-                     jax.lax.optimization_barrier(pair_decays(b_cum)))
+                    jax.lax.optimization_barrier(pair_decays(b_cum)))
   k_to_end = kc * eb_rest  # k_j decayed to the chunk's last row
 
   def step(s, xs):

@@ -21,7 +21,7 @@ def _state_kernel(kg_ref, v_ref, ec_ref, s0_ref, states_ref, sfin_ref, *,
     states_ref[n] = s.astype(states_ref.dtype)
     rows = pl.ds(n * CHUNK, CHUNK)
     return ec_ref[n][:, None] * s + mm_dot(kg_ref[rows, :], v_ref[rows, :],
-                                         TN, mm)
+                                           TN, mm)
 
   sfin_ref[...] = jax.lax.fori_loop(0, n_chunks, body,
                                     s0_ref[...].astype(F32))

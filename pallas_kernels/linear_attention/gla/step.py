@@ -14,4 +14,5 @@ def gla_step_pallas(q, k, v, g, state, *, scale=None, interpret=False):
   """
   _, _, dk, _ = check_step(q, k, v, g, None, state, "GLA")
   return run_step(q, k, v, g, jnp.zeros(q.shape, F32), state,
-               scale=step_scale(scale, dk), delta=False, interpret=bool(interpret))
+                  scale=step_scale(scale, dk), delta=False,
+                  interpret=bool(interpret))

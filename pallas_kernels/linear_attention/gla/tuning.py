@@ -1,4 +1,5 @@
-"""GLA kernels' block sizes, launch parameters and options."""
+"""The GLA kernels' block sizes, launch parameters and stage choices: one
+frozen (hashable, static) dataclass, `gla_pallas(..., tune=Tuning(...))`."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,8 +11,9 @@ from pallas_kernels.linear_attention.common.tiles import TILE, compiler_params
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
-  """Block sizes and launch parameters (defaults: KDA's measured choices on
-  an H200, results/kernels.md; GLA's own sweep is bench_kernels --tune)."""
+  """Block sizes, warps per kernel and the stage kernels of one GLA call
+  (defaults: KDA's measured choices, which carry over to GLA's kernels built
+  from the same pieces; GLA's own sweep is bench_kernels --tune)."""
   block_k: int = 32         # K slice width of the intra and grad_k kernels
   pass_bk: int = 64         # K block of the sequential passes
   pass_bv: int = 16         # V block of the sequential passes
@@ -23,30 +25,17 @@ class Tuning:
   dv_warps: int = 4
   grad_k_warps: int = 4
   num_stages: int = 2
-  # The contractions over V (dO S^T, v dH^T, sum_v dH S) in a kernel of
-  # their own before grad_k (see kda_pallas.SPLIT_GRAD_K); untimed.
-  split_grad_k: bool = False
-  state_side_bk: int = 64
-  state_side_warps: int = 4
-  # grad_k's order on its row tiles: "held" (in order, every tile's results
-  # held to the end) or "pull" (last first in a fori_loop, each tile forming
-  # all of its own gradients: chunk_common._pull_key_side_grads), and its K
-  # slice width (None: GRAD_K_BK_BOUNDED on the bounded path and block_k on
-  # the unbounded one, whose [16, 16, w] pair tensors grow with w; a value
-  # applies to both paths, as kda_pallas's grad_k_block_k). KDA's grad_k,
-  # pull at 64 against held at 32, went 21.1 -> 19.2 ms fwd+bwd at B8 T8192
-  # and 10.6 -> 9.8 at B1 T32768 (H100, session 19). GLA's, same process
-  # (H200, session 20, ab_kernels, fwd+bwd ms at B8 T8192 / B1 T32768):
-  # held w=32 12.26 / 6.59, pull w=32 11.76 / 5.92, pull w=64 11.18 / 5.71.
-  grad_k_order: str = "pull"
+  # grad_k's K slice width (None: GRAD_K_BK_BOUNDED on the bounded path and
+  # block_k on the unbounded one, whose [16, 16, w] pair tensors grow with
+  # w; a value applies to both paths). 64 is faster than 32 on the bounded
+  # path (H200, B1 T32768 and B8 T8192).
   grad_k_bk: int | None = None
-  # The state and dstate passes as Triton ("triton") or Mosaic GPU
-  # ("mosaic": wgmma + TMA, mosaic.py, blocks pass_bk x pass_bv; bf16,
-  # K >= 64) kernels; "auto": Mosaic on a GPU where it applies. H200 B1
-  # T32768 H16 D128 fwd+bwd (session 17): Triton 6.73, Mosaic 6.37 ms.
+  # The state and dstate passes on Triton or Mosaic GPU (wgmma + TMA,
+  # common/mosaic.py, blocks pass_bk x pass_bv; bf16, K >= 64); "auto":
+  # Mosaic on a GPU where it applies, where it is faster (H200, B1 T32768).
   state_pass: str = "auto"
-  # The output kernel likewise ("mosaic": mosaic.output, block bv);
-  # H200 (session 17): 6.69 vs 6.73 ms, within noise: "triton".
+  # The output kernel likewise ("mosaic": mosaic.output, block bv); within
+  # noise of Triton on an H200: "triton".
   output_kernel: str = "triton"
 
   def params(self, kernel):
@@ -54,21 +43,17 @@ class Tuning:
 
 
 GRAD_K_BK_BOUNDED = 64   # Tuning.grad_k_bk=None on the bounded path
-
-
 DEFAULT_TUNING = Tuning()
-
-
-GRAD_K_ORDERS = ("held", "pull")
 
 
 def check_tuning(tune):
   """ValueError naming the field unless tune is a valid Tuning: block sizes
-  powers of two >= 16, warp and stage counts >= 1, split_grad_k a bool."""
+  powers of two >= 16 (grad_k_bk may be None), warp and stage counts >= 1,
+  the stage kernels among their choices."""
   if not isinstance(tune, Tuning):
-    raise ValueError(f"tune must be a gla_pallas.Tuning, got {tune!r}")
+    raise ValueError(f"tune must be a gla.tuning.Tuning, got {tune!r}")
   for name in ("block_k", "pass_bk", "pass_bv", "bv", "grad_bv",
-               "state_side_bk", "grad_k_bk"):
+               "grad_k_bk"):
     size = getattr(tune, name)
     if size is None and name == "grad_k_bk":
       continue
@@ -77,16 +62,12 @@ def check_tuning(tune):
       raise ValueError(f"tune.{name} must be a power of two >= {TILE}, got "
                        f"{size!r}")
   for name in ("intra_warps", "pass_warps", "output_warps", "dv_warps",
-               "grad_k_warps", "state_side_warps", "num_stages"):
+               "grad_k_warps", "num_stages"):
     if getattr(tune, name) < 1:
       raise ValueError(f"tune.{name} must be >= 1, got "
                        f"{getattr(tune, name)!r}")
-  if not isinstance(tune.split_grad_k, bool):
-    raise ValueError(f"tune.split_grad_k must be True or False, got "
-                     f"{tune.split_grad_k!r}")
   for name, allowed in (("state_pass", STATE_PASS_CHOICES),
-                        ("output_kernel", STAGE_KERNELS),
-                        ("grad_k_order", GRAD_K_ORDERS)):
+                        ("output_kernel", STAGE_KERNELS)):
     if getattr(tune, name) not in allowed:
       raise ValueError(f"tune.{name} must be one of {allowed}, got "
                        f"{getattr(tune, name)!r}")

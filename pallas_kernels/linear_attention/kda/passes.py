@@ -1,5 +1,15 @@
-"""KDA's sequential passes over chunks: the state pass (states, V') and
-its reverse (dH, dV'), as Triton or Mosaic GPU kernels."""
+"""KDA's sequential passes over chunks, grid (B, H, V/pass_bv).
+
+  2. the state pass: per chunk V' = U - W S (all of K: the state block is
+     [Kp, BV]) and S <- diag(exp(b_C)) S + (k exp(b_C - b))^T V'; stores the
+     state entering each chunk (matmul dtype; carried in fp32), V' and the
+     final state;
+  5. its reverse: dV' = scale Aqk^T dO + (k exp(b_C - b)) dH and
+     dH <- diag(exp(b_C)) dH + scale (q exp(b))^T dO - W^T dV'; stores dH_n
+     (the gradient w.r.t. the state leaving chunk n), dV' and dS_0.
+Both read the decayed operands the intra kernel stored: no exp on their
+critical path. As Triton kernels here, or as Mosaic GPU kernels
+(common/mosaic.py, Tuning.state_pass)."""
 from __future__ import annotations
 
 import functools
@@ -10,7 +20,6 @@ from jax.experimental import pallas as pl
 from pallas_kernels.linear_attention.common import mosaic
 from pallas_kernels.linear_attention.common.tiles import (
     CHUNK, F32, TN, mm_dot, shape_of)
-from pallas_kernels.linear_attention.kda.tuning import kernel_params
 
 
 def _state_kernel(w_ref, u_ref, kg_ref, ec_ref, s0_ref, states_ref, vnew_ref,
@@ -71,7 +80,7 @@ def _pass_ec_spec(lay):
                       lambda b, h, j: (b, h, 0, 0))
 
 
-def state_call(w, u, kg, ec, s0p, lay, interpret):
+def state_call(w, u, kg, ec, s0p, lay, tune, interpret):
   """Kernel 2: states entering each chunk, V', the final state."""
   seq_k, seq_v, state, states = _pass_specs(lay)
   return pl.pallas_call(
@@ -84,23 +93,24 @@ def state_call(w, u, kg, ec, s0p, lay, interpret):
           shape_of(lay, "bsz", "tp", "h", "dv", dtype=lay["mm"]),
           shape_of(lay, "bsz", "h", "kp", "dv"),
       ],
-      compiler_params=kernel_params("state"),
+      compiler_params=tune.params("state"),
       interpret=interpret,
       name="kda_state_pass",
   )(w, u, kg, ec, s0p)
 
 
-def run_state_pass(w, u, kg, ec, s0p, lay, interpret, state_pass):
-  """Kernel 2 as Triton ("triton") or Mosaic GPU ("mosaic") kernels."""
-  if state_pass == "mosaic":
+def run_state_pass(w, u, kg, ec, s0p, lay, tune, interpret):
+  """Kernel 2 as Triton or Mosaic GPU kernels (tune.state_pass)."""
+  if tune.state_pass == "mosaic":
     layout = mosaic.default_layout(interpret)
     return mosaic.state_pass(
         mosaic.as_layout(kg, layout), u, ec, s0p, w=w,
         bv=lay["bv_pass"], layout=layout, interpret=interpret)
-  return state_call(w, u, kg, ec, s0p, lay, interpret)
+  return state_call(w, u, kg, ec, s0p, lay, tune, interpret)
 
 
-def dstate_call(qg, kg, ec, w, dop, dv_intra, dsfp, lay, scale, interpret):
+def dstate_call(qg, kg, ec, w, dop, dv_intra, dsfp, lay, scale, tune,
+                interpret):
   """Reverse pass over chunks: dH_n [B, H, N, Kp, V] and dV' [B, Tp, H, V]
   in the matmul dtype, dS_0 fp32."""
   seq_k, seq_v, state, states = _pass_specs(lay)
@@ -115,21 +125,20 @@ def dstate_call(qg, kg, ec, w, dop, dv_intra, dsfp, lay, scale, interpret):
           shape_of(lay, "bsz", "tp", "h", "dv", dtype=lay["mm"]),
           shape_of(lay, "bsz", "h", "kp", "dv"),
       ],
-      compiler_params=kernel_params("dstate"),
+      compiler_params=tune.params("dstate"),
       interpret=interpret,
       name="kda_dstate_pass",
   )(qg, kg, ec, w, dop, dv_intra, dsfp)
 
 
-def run_dstate_pass(qg, kg, ec, w, dop, dv_intra, dsfp, lay, scale, interpret,
-                 state_pass):
-  """The reverse pass as Triton ("triton") or Mosaic GPU ("mosaic")
-  kernels."""
-  if state_pass == "mosaic":
+def run_dstate_pass(qg, kg, ec, w, dop, dv_intra, dsfp, lay, scale, tune,
+                    interpret):
+  """The reverse pass as Triton or Mosaic GPU kernels (tune.state_pass)."""
+  if tune.state_pass == "mosaic":
     layout = mosaic.default_layout(interpret)
     return mosaic.kda_dstate_pass(
         mosaic.as_layout(qg, layout), kg,
         mosaic.as_layout(w, layout), ec, dop, dv_intra, dsfp,
         scale=scale, bv=lay["bv_pass"], layout=layout, interpret=interpret)
-  return dstate_call(qg, kg, ec, w, dop, dv_intra, dsfp, lay, scale,
-                      interpret)
+  return dstate_call(qg, kg, ec, w, dop, dv_intra, dsfp, lay, scale, tune,
+                     interpret)

@@ -10,7 +10,6 @@ import functools
 from jax.experimental import pallas as pl
 
 from pallas_kernels.linear_attention.common import mosaic
-
 from pallas_kernels.linear_attention.common.tiles import (
     chunk_spec, compiler_params, mm_dot, shape_of, square_spec, state_spec)
 

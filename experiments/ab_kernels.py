@@ -1,29 +1,27 @@
-r"""Versions of a kernel module timed side by side, in one process (GPU).
+r"""Versions of a kernel op timed side by side, in one process (GPU).
 
 Call-to-call noise on the device machines is +-15% (results/kernels.md), so
 a change is judged against the version before it in the SAME process, on
-the same inputs. A version is the working tree's module ("main": all of
-its defaults), the same with options, each overriding only the setting it
-names ("main+split": the split backward, kda_pallas split_grad_k /
-gla_pallas Tuning.split_grad_k; "main+mosaic" / "main+triton": the state
-and dstate passes on Mosaic GPU / Triton, state_pass / Tuning.state_pass;
-"main+mosaic_out": the output kernel on Mosaic GPU, output_kernel /
-Tuning.output_kernel; "main+ieee" / "+tf32x3" / "+tf32" / "+bf16x3": KDA's
-triangular inverse on FFMA or tensor-core MMAs, inverse_dot; "main+rows" /
-"main+slices": KDA's score loops with the K slices inside / outside the
-rows, intra_order; "main+one_intra": KDA's scores, inverse, W and U in one
-kernel, solve_apart=False; "main+held" / "main+stream" / "main+pull":
-the grad_k order, kda_pallas grad_k_order / gla_pallas
-Tuning.grad_k_order, no "stream" on GLA; any combination, e.g.
-"main+split+mosaic+mosaic_out"), or any file holding an older copy of the
-module (run with its defaults), e.g. one taken from git before the device
-call (before session 19 any option also set the passes and the output
-kernel to Triton unless +mosaic / +mosaic_out were given):
+the same inputs. A version is one of
+  * "main": the working tree's op (kda/chunk.py, gla/chunk.py) with its
+    Tuning's defaults, or with options, each overriding the one setting it
+    names: "main+mosaic" / "main+triton" (the state and dstate passes on
+    Mosaic GPU / Triton, Tuning.state_pass), "main+mosaic_out" (the output
+    kernel on Mosaic GPU, Tuning.output_kernel), e.g. "main+mosaic_out";
+  * "git:REV": the kernel package of git revision REV (git archive of
+    pallas_kernels/, loaded in isolation beside the working tree's, run
+    with its own defaults), e.g. a commit before a change, or one from
+    before the per-op folders (pallas_kernels/linear_attention/kda_pallas.py);
+    imports an old module makes inside a function resolve against the
+    working tree;
+  * "tree:FOLDER": the same for a folder holding a pallas_kernels/ package
+    (e.g. `git archive REV pallas_kernels | tar -x -C FOLDER` where the
+    run has no git history, as on the device machines);
+  * a path to a .py copy of an op module (kda/chunk.py, gla/chunk.py) that
+    imports the working tree's kernels, run with its defaults.
 
-  git show 8206e6d:pallas_kernels/linear_attention/kda_pallas.py \
-      > /tmp/kda_8206e6d.py
   PYTHONPATH=. python -m experiments.ab_kernels \
-      --versions=kda:/tmp/kda_8206e6d.py,kda:main,kda:main+split,kda:main+mosaic \
+      --versions=kda:git:46adc08,kda:main,kda:main+triton \
       --shapes=1x32768,8x8192 --out=/tmp/ab
 
 Each version is timed like bench_kernels times the public op (bf16 q, k, v,
@@ -44,9 +42,13 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import io
 import json
 import os
+import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 
 from absl import app, flags
@@ -56,14 +58,13 @@ import jax.numpy as jnp
 from experiments.timing import median_ms
 
 _VERSIONS = flags.DEFINE_list(
-    "versions", ["kda:main", "kda:main+split", "gla:main", "gla:main+split"],
-    "op:version entries: op kda|gla; version main (the module's defaults) "
-    "with options, each overriding one setting: +split, one of +mosaic, "
-    "+triton (state passes), +mosaic_out, one of +ieee, +tf32x3, +tf32, "
-    "+bf16x3 (kda's inverse dots), one of +rows, +slices (kda's intra "
-    "order), +one_intra (kda: the intra work in one kernel), "
-    "one of +held, +stream (kda), +pull (grad_k order); or a path to a .py "
-    "copy of the op's kernel module.")
+    "versions", ["kda:main", "kda:main+triton", "gla:main",
+                 "gla:main+triton"],
+    "op:version entries: op kda|gla; version main (the working tree's "
+    "defaults) with options, each overriding one setting: one of +mosaic, "
+    "+triton (state passes), +mosaic_out; or git:REV (the kernel package of "
+    "a git revision), or tree:FOLDER (a folder holding one); or a path to a "
+    ".py copy of the op's module.")
 _SHAPES = flags.DEFINE_list("shapes", ["1x32768", "8x8192"], "BxT shapes.")
 _ITERS = flags.DEFINE_integer("iters", 10, "Timed calls (median).")
 _OUT = flags.DEFINE_string("out", "/tmp/ab_kernels", "Output folder.")
@@ -72,52 +73,103 @@ _INTERPRET = flags.DEFINE_bool("interpret", False,
 
 G_MIN = -5.0
 OPS = ("kda", "gla")
-ORDERS = ("held", "stream", "pull")   # kda_pallas grad_k_order
-PASSES = ("mosaic", "triton")        # state_pass
-INVERSES = ("ieee", "tf32x3", "tf32", "bf16x3")   # kda_pallas inverse_dot
-INTRA = ("rows", "slices")                       # kda_pallas intra_order
-OPTIONS = (("split",) + PASSES + ("mosaic_out",) + INVERSES + INTRA
-           + ("one_intra",) + ORDERS)
-# GLA's grad_k: held, pull; one_intra: kda_pallas solve_apart=False.
-KDA_ONLY = INVERSES + INTRA + ("one_intra", "stream")
+PASSES = ("mosaic", "triton")        # Tuning.state_pass
+OPTIONS = PASSES + ("mosaic_out",)
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PACKAGE = "pallas_kernels"
 
 
 def parse_versions(entries):
-  """[(label, op, module source, options)]; raises app.UsageError on a bad
-  entry, naming the flag and the allowed values."""
+  """[(label, op, source, options)]; raises app.UsageError on a bad entry,
+  naming the flag and the allowed values."""
   out = []
   for entry in entries:
     op, _, version = entry.partition(":")
     name, *options = version.split("+")
     ok = (op in OPS and all(o in OPTIONS for o in options)
           and len(set(options)) == len(options)
-          and (name == "main" or (name.endswith(".py") and not options)))
+          and (name == "main" or (not options and (
+              name.endswith(".py") or
+              (name.startswith("git:") and len(name) > 4) or
+              (name.startswith("tree:") and len(name) > 5)))))
     if not ok:
       raise app.UsageError(
           f"--versions: bad entry {entry!r}; expected op:version with op one "
           f"of {', '.join(OPS)} and version main (with options "
-          f"{', '.join('+' + o for o in OPTIONS)}) or a path to a .py file")
-    if op == "gla" and set(options) & set(KDA_ONLY):
+          f"{', '.join('+' + o for o in OPTIONS)}), git:REV, tree:FOLDER or a "
+          "path to a .py file")
+    if len(set(options) & set(PASSES)) > 1:
       raise app.UsageError(f"--versions: bad entry {entry!r}; "
-                           f"{', '.join('+' + o for o in KDA_ONLY)} are kda "
-                           "options")
-    for group, what in ((ORDERS, "grad_k orders"),
-                        (PASSES, "state passes"),
-                        (INVERSES, "inverse dots"),
-                        (INTRA, "intra orders")):
-      if len(set(options) & set(group)) > 1:
-        raise app.UsageError(f"--versions: bad entry {entry!r}; "
-                             f"{', '.join('+' + o for o in group)} are "
-                             f"{what}: give one")
-    if name != "main" and not os.path.isfile(name):
+                           f"{', '.join('+' + o for o in PASSES)} are state "
+                           "passes: give one")
+    if name.endswith(".py") and not os.path.isfile(name):
       raise app.UsageError(f"--versions: no such file {name!r} in {entry!r}")
+    if name.startswith("tree:") and not os.path.isdir(
+        os.path.join(name[5:], _PACKAGE)):
+      raise app.UsageError(f"--versions: no {_PACKAGE}/ in {name[5:]!r} "
+                           f"({entry!r})")
     out.append((entry, op, name, frozenset(options)))
   return out
 
 
+def _git_tree(rev):
+  """A temporary folder holding revision rev's pallas_kernels/."""
+  try:
+    tar = subprocess.run(["git", "archive", rev, _PACKAGE], cwd=_ROOT,
+                         capture_output=True, check=True).stdout
+  except subprocess.CalledProcessError as e:
+    raise ValueError(f"git:{rev}: {e.stderr.decode()[:500]}") from None
+  folder = tempfile.mkdtemp(prefix=f"ab_kernels_{rev}_")
+  with tarfile.open(fileobj=io.BytesIO(tar)) as f:
+    f.extractall(folder, filter="data")
+  return folder
+
+
+def _package_at(folder):
+  """The op modules of the pallas_kernels/ package in `folder`, imported
+  with the working tree's package set aside, then the working tree's put
+  back (the old modules keep their own globals). Returns {op: module
+  holding {op}_pallas}."""
+  ours = {n: m for n, m in sys.modules.items()
+          if n == _PACKAGE or n.startswith(_PACKAGE + ".")}
+  for n in ours:
+    del sys.modules[n]
+  sys.path.insert(0, folder)
+  try:
+    importlib.import_module(f"{_PACKAGE}.linear_attention")
+    found = {}
+    for op in OPS:
+      for name in (f"{op}.chunk", f"{op}_pallas"):   # folders, then files
+        try:
+          found[op] = importlib.import_module(
+              f"{_PACKAGE}.linear_attention.{name}")
+          break
+        except ImportError:
+          continue
+    return found
+  finally:
+    sys.path.remove(folder)
+    for n in [n for n in sys.modules
+              if n == _PACKAGE or n.startswith(_PACKAGE + ".")]:
+      del sys.modules[n]
+    sys.modules.update(ours)
+
+
+_PACKAGES = {}
+
+
 def load_module(op, source):
+  """The module whose {op}_pallas a version runs."""
   if source == "main":
-    return importlib.import_module(f"pallas_kernels.linear_attention.{op}_pallas")
+    return importlib.import_module(f"{_PACKAGE}.linear_attention.{op}.chunk")
+  if source.startswith(("git:", "tree:")):
+    if source not in _PACKAGES:
+      kind, _, where = source.partition(":")
+      _PACKAGES[source] = _package_at(
+          _git_tree(where) if kind == "git" else where)
+    if op not in _PACKAGES[source]:
+      raise ValueError(f"{source} has no {op} Pallas op")
+    return _PACKAGES[source][op]
   mod_name = "ab_" + os.path.splitext(os.path.basename(source))[0]
   spec = importlib.util.spec_from_file_location(mod_name, source)
   mod = importlib.util.module_from_spec(spec)
@@ -149,19 +201,12 @@ def jitted_fns(op, mod, options, interpret):
   if interpret:
     kw["interpret"] = True
   # Each option overrides the one setting it names; the rest stay the
-  # module's defaults.
+  # op's defaults.
   named = {
-      "split_grad_k": True if "split" in options else None,
       "state_pass": next((o for o in PASSES if o in options), None),
-      "output_kernel": "mosaic" if "mosaic_out" in options else None,
-      "inverse_dot": next((o for o in INVERSES if o in options), None),
-      "intra_order": next((o for o in INTRA if o in options), None),
-      "solve_apart": False if "one_intra" in options else None,
-      "grad_k_order": next((o for o in ORDERS if o in options), None)}
+      "output_kernel": "mosaic" if "mosaic_out" in options else None}
   named = {key: value for key, value in named.items() if value is not None}
-  if op == "kda":
-    kw.update(named)
-  elif named:
+  if named:
     kw["tune"] = dataclasses.replace(mod.DEFAULT_TUNING, **named)
   call = lambda d: impl(*[d[n] for n in names], **kw)[0]  # noqa: E731
 

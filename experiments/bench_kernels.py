@@ -36,7 +36,7 @@ from experiments import bench_table
 from experiments import float64_check
 from experiments.timing import median_ms
 from pallas_kernels.linear_attention import ops
-from pallas_kernels.linear_attention import gla_pallas
+from pallas_kernels.linear_attention.gla import chunk as gla_pallas
 
 _OUT = flags.DEFINE_string("out", "/tmp/bench_kernels", "Output folder.")
 _OPS = flags.DEFINE_list("ops", ["gla", "kda"], "Ops to time: gla, kda.")

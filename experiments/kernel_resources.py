@@ -51,10 +51,6 @@ _T = flags.DEFINE_integer("t", 256, "Sequence length (the code is T-free).")
 _ARCH = flags.DEFINE_integer("arch", 90, "Compute capability to compile for.")
 _WARPS = flags.DEFINE_integer("warps", 0,
                               "0: the kernels' own num_warps; N: force N.")
-_SPLIT = flags.DEFINE_bool("split_grad_k", False,
-                            "Report the backward with its contractions over V "
-                            "in their own kernel (kda_pallas split_grad_k, "
-                            "gla_pallas Tuning.split_grad_k).")
 _TTIR_ONLY = flags.DEFINE_bool("ttir_only", False,
                                "Only write the TTIR (no triton needed).")
 
@@ -188,19 +184,16 @@ def op_inputs(op, t, d):
   return x + [spec(1, t, 2, dt=f32)] if op == "kda" else x
 
 
-def op_fn(op, bounded, split_grad_k=False):
+def op_fn(op, bounded):
   """The op's forward + backward (value_and_grad of a scalar) on its Pallas
   path: every kernel of the op is lowered."""
   # pylint: disable=g-import-not-at-top
-  from pallas_kernels.linear_attention import gla_pallas, kda_pallas
+  from pallas_kernels.linear_attention.gla.chunk import gla_pallas
+  from pallas_kernels.linear_attention.kda.chunk import kda_pallas
   g_min = -5.0 if bounded else None
   kw = dict(scale=None, initial_state=None, chunk_size=64, g_min=g_min,
             bounded=bounded)
-  if op == "kda":
-    kw["split_grad_k"] = split_grad_k
-  else:
-    kw["tune"] = gla_pallas.Tuning(split_grad_k=split_grad_k)
-  fn = kda_pallas.kda_pallas if op == "kda" else gla_pallas.gla_pallas
+  fn = kda_pallas if op == "kda" else gla_pallas
 
   def loss(*x):
     o, s = fn(*x, **kw)
@@ -229,7 +222,7 @@ def main(argv):
       out_dir = os.path.join(_OUT.value, f"{op}_{path}")
       for f in glob.glob(os.path.join(out_dir, "*")):
         os.remove(f)
-      kernels = capture_ttir(op_fn(op, path == "bounded", _SPLIT.value),
+      kernels = capture_ttir(op_fn(op, path == "bounded"),
                              op_inputs(op, _T.value, _D.value), out_dir,
                              arch=_ARCH.value)
       seen = set()

@@ -1,19 +1,19 @@
 r"""Per-kernel timing of the Pallas GLA (GPU): where the milliseconds go.
 
-Times each pallas_call of gla_pallas on its own (inputs precomputed, one jit
-per kernel), then the whole forward and forward+backward, for each
+Times each pallas_call of gla/chunk.py's op on its own (inputs precomputed,
+one jit per kernel), then the whole forward and forward+backward, for each
 configuration; GLA's counterpart of profile_kda. A table per configuration,
 so that a slow kernel is named rather than guessed.
 
   PYTHONPATH=. python -m experiments.profile_gla --out=/tmp/prof_gla
   PYTHONPATH=. python -m experiments.profile_gla \
-      --configs=bounded:32,bounded:32:split,bounded:32:mosaic:mosaic_out
+      --configs=bounded:32,bounded:32:mosaic:mosaic_out
   PYTHONPATH=. python -m experiments.profile_gla --configs=bounded:32 \
       --tune=grad_k_warps=8,pass_bv=32
 
---tune sets any field of gla_pallas.Tuning (name=int pairs) on top of each
-configuration's block_k and options (split: Tuning.split_grad_k; mosaic:
-Tuning.state_pass; mosaic_out: Tuning.output_kernel).
+--tune sets any int field of gla.tuning.Tuning (name=int pairs) on top of
+each configuration's block_k and options (mosaic: Tuning.state_pass;
+mosaic_out: Tuning.output_kernel).
 """
 from __future__ import annotations
 
@@ -28,8 +28,10 @@ import jax.numpy as jnp
 
 from experiments.timing import (median_ms, parse_int_overrides,
                                 parse_kernel_config)
-from pallas_kernels.linear_attention import gla_pallas as gp
-from pallas_kernels.linear_attention.chunk_common import _output_call, _pad  # pylint: disable=protected-access
+from pallas_kernels.linear_attention.common.output import output_call
+from pallas_kernels.linear_attention.common.tiles import pad_to
+from pallas_kernels.linear_attention.gla import backward, chunk, intra, passes
+from pallas_kernels.linear_attention.gla import tuning as gp
 
 _OUT = flags.DEFINE_string("out", "/tmp/profile_gla", "Output folder.")
 _B = flags.DEFINE_integer("b", 1, "Batch.")
@@ -37,13 +39,12 @@ _T = flags.DEFINE_integer("t", 32768, "Sequence length.")
 _H = flags.DEFINE_integer("h", 16, "Heads.")
 _D = flags.DEFINE_integer("d", 128, "K = V.")
 _CONFIGS = flags.DEFINE_list(
-    "configs", ["bounded:32", "bounded:32:split", "unbounded:32"],
-    "path:block_k[:split][:mosaic][:mosaic_out] (split: the backward's "
-    "contractions over V in their own kernel, Tuning.split_grad_k; mosaic: "
-    "the state and dstate passes on Mosaic GPU, Tuning.state_pass; "
-    "mosaic_out: the output kernel on Mosaic GPU, Tuning.output_kernel).")
+    "configs", ["bounded:32", "unbounded:32"],
+    "path:block_k[:mosaic][:mosaic_out] (mosaic: the state and dstate passes "
+    "on Mosaic GPU, Tuning.state_pass; mosaic_out: the output kernel on "
+    "Mosaic GPU, Tuning.output_kernel; else Triton).")
 _TUNE = flags.DEFINE_list("tune", [], "name=int pairs setting fields of "
-                          "gla_pallas.Tuning (e.g. grad_k_warps=8).")
+                          "gla.tuning.Tuning (e.g. grad_k_warps=8).")
 _ITERS = flags.DEFINE_integer("iters", 10, "Timed iterations (median).")
 _INTERPRET = flags.DEFINE_bool("interpret", False,
                                "Interpret mode (a CPU smoke test).")
@@ -64,11 +65,8 @@ def parse_flags():
   for cfg in _CONFIGS.value:
     try:
       c = parse_kernel_config(cfg)
-      if c.tf32x3:
-        raise ValueError(f"--configs: bad entry {cfg!r}; tf32x3 is a KDA "
-                         "option (GLA has no triangular inverse)")
       tune = dataclasses.replace(
-          gp.DEFAULT_TUNING, block_k=c.block_k, split_grad_k=c.split,
+          gp.DEFAULT_TUNING, block_k=c.block_k,
           state_pass="mosaic" if c.mosaic else "triton",
           output_kernel="mosaic" if c.mosaic_out else "triton", **overrides)
       gp.check_tuning(tune)
@@ -93,49 +91,49 @@ def inputs(b, t, h, d, seed=0):
 
 
 def profile(x, bounded, tune, iters, interpret=False):
-  """{kernel name: ms} for one configuration (tune: a gla_pallas.Tuning)."""
+  """{kernel name: ms} for one configuration (tune: a gla.tuning.Tuning)."""
   q, k, v, g, do = x
   bsz, _, h, dk = q.shape
   scale = dk ** -0.5
   g_min = -5.0 if bounded else None   # the op's clamp, as gla_pallas runs it
-  lay = gp._layout(q, v, tune)  # pylint: disable=protected-access
+  lay = chunk.call_layout(q, v, tune)
   tp, kp, dv = lay["tp"], lay["kp"], lay["dv"]
   prep = jax.jit(lambda q, k, v, g, do: (
-      _pad(q, tp, kp), _pad(k, tp, kp), _pad(v, tp, dv), _pad(g, tp, kp),
-      _pad(do, tp, dv)))
+      pad_to(q, tp, kp), pad_to(k, tp, kp), pad_to(v, tp, dv),
+      pad_to(g, tp, kp), pad_to(do, tp, dv)))
   qp, kp_, vp, gp_, dop = prep(q, k, v, g, do)
   s0p = jnp.zeros((bsz, h, kp, dv), jnp.float32)
   common = dict(lay=lay, tune=tune, interpret=interpret)
   mosaic = " (mosaic)" if tune.state_pass == "mosaic" else ""
   c = {"prepare (XLA pads)": median_ms(lambda: prep(q, k, v, g, do), iters)}
-  f = jax.jit(functools.partial(gp._intra_call, bounded=bounded, g_min=g_min,  # pylint: disable=protected-access
-                                for_backward=True, **common))
+  f = jax.jit(functools.partial(intra.intra_call, bounded=bounded,
+                                g_min=g_min, for_backward=True, **common))
   c["1 intra (b, A, q exp(b), k exp(bC-b))"] = median_ms(
       lambda: f(qp, kp_, gp_), iters)
   aqk, qg, kg, ec, bp = f(qp, kp_, gp_)
-  f = jax.jit(functools.partial(gp._state_pass, **common))  # pylint: disable=protected-access
+  f = jax.jit(functools.partial(passes.run_state_pass, **common))
   c["2 state pass" + mosaic] = median_ms(lambda: f(kg, vp, ec, s0p), iters)
   states, _ = f(kg, vp, ec, s0p)
   f = jax.jit(functools.partial(
-      _output_call, lay=lay, scale=scale, dtype=v.dtype, interpret=interpret,
+      output_call, lay=lay, scale=scale, dtype=v.dtype, interpret=interpret,
       num_warps=tune.output_warps, name="gla_chunk_output",
       kernel=tune.output_kernel))
-  c["3 output" + (" (mosaic)" if tune.output_kernel == "mosaic" else "")] = median_ms(lambda: f(qg, aqk, vp, states), iters)
-  f = jax.jit(functools.partial(gp._dstate_pass, scale=scale, **common))  # pylint: disable=protected-access
+  c["3 output" + (" (mosaic)" if tune.output_kernel == "mosaic" else "")] = (
+      median_ms(lambda: f(qg, aqk, vp, states), iters))
+  f = jax.jit(functools.partial(passes.run_dstate_pass, scale=scale,
+                                **common))
   c["b1 dstate pass" + mosaic] = median_ms(lambda: f(qg, dop, ec, s0p), iters)
   dstates, _ = f(qg, dop, ec, s0p)
-  f = jax.jit(functools.partial(gp._dv_call, scale=scale, dtype=v.dtype,  # pylint: disable=protected-access
+  f = jax.jit(functools.partial(backward.dv_call, scale=scale, dtype=v.dtype,
                                 bounded=bounded, **common))
   c["b2 dv (dv, dA)"] = median_ms(lambda: f(aqk, kg, vp, dop, dstates), iters)
   _, da = f(aqk, kg, vp, dop, dstates)
-  f = jax.jit(functools.partial(gp._grad_k_call, scale=scale, bounded=bounded,  # pylint: disable=protected-access
-                                g_min=g_min, **common))
-  name = "b3 grad_k (dq, dk, dg)" + (" + state_side" if tune.split_grad_k
-                                     else "")
-  c[name] = median_ms(lambda: f(qp, kp_, bp, gp_, dop, vp, da, states,
-                                dstates), iters)
+  f = jax.jit(functools.partial(backward.grad_k_call, scale=scale,
+                                bounded=bounded, g_min=g_min, **common))
+  c["b3 grad_k (dq, dk, dg)"] = median_ms(
+      lambda: f(qp, kp_, bp, gp_, dop, vp, da, states, dstates), iters)
 
-  run = lambda *a: gp.gla_pallas(  # noqa: E731
+  run = lambda *a: chunk.gla_pallas(  # noqa: E731
       *a, scale=None, initial_state=None, chunk_size=64, g_min=g_min,
       bounded=bounded, tune=tune, interpret=interpret)
   fwd = jax.jit(lambda q, k, v, g: run(q, k, v, g)[0])

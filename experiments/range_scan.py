@@ -15,7 +15,7 @@ from typing import Dict, List
 
 from absl import app, flags
 
-from pallas_kernels.linear_attention import numerics
+from pallas_kernels.linear_attention.common import numerics
 
 _G_MINS = flags.DEFINE_string("g_mins", "-1,-2,-3,-5,-8,-12,-20",
                               "Comma list of decay lower bounds (< 0).")

@@ -40,18 +40,16 @@ def parse_int_overrides(flag, pairs, sep, form, allowed):
 
 
 KernelConfig = collections.namedtuple(
-    "KernelConfig", "bounded block_k split mosaic mosaic_out tf32x3")
-KERNEL_OPTIONS = ("split", "mosaic", "mosaic_out", "tf32x3")
-KERNEL_CONFIG_FORM = "path:block_k[:split][:mosaic][:mosaic_out][:tf32x3]"
+    "KernelConfig", "bounded block_k mosaic mosaic_out")
+KERNEL_OPTIONS = ("mosaic", "mosaic_out")
+KERNEL_CONFIG_FORM = "path:block_k[:mosaic][:mosaic_out]"
 
 
 def parse_kernel_config(entry):
   """KernelConfig of a profiler's `path:block_k[:option]...` entry (path
-  bounded or unbounded; options, each at most once: split, the backward's
-  contractions over V in their own kernel; mosaic, the state and dstate
-  passes on Mosaic GPU; mosaic_out, the output kernel on Mosaic GPU;
-  tf32x3, KDA's triangular inverse on 3xTF32 MMAs). ValueError naming the
-  form otherwise."""
+  bounded or unbounded; options, each at most once: mosaic, the state and
+  dstate passes on Mosaic GPU; mosaic_out, the output kernel on Mosaic
+  GPU). ValueError naming the form otherwise."""
   path, _, rest = entry.partition(":")
   block_k, *options = rest.split(":")
   if (path not in ("bounded", "unbounded") or not block_k.isdigit()
@@ -59,6 +57,5 @@ def parse_kernel_config(entry):
       or len(set(options)) != len(options)):
     raise ValueError(f"--configs: bad entry {entry!r}; expected "
                      f"{KERNEL_CONFIG_FORM} with path bounded or unbounded")
-  return KernelConfig(path == "bounded", int(block_k), "split" in options,
-                      "mosaic" in options, "mosaic_out" in options,
-                      "tf32x3" in options)
+  return KernelConfig(path == "bounded", int(block_k), "mosaic" in options,
+                      "mosaic_out" in options)

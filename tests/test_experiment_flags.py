@@ -4,7 +4,6 @@ a tiny shape (CPU)."""
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 
@@ -28,22 +27,18 @@ def _run(*args):
     (("experiments.bench_kernels", "--xla_max_tokens=gla:2k"),
      "--xla_max_tokens", "op:N with op one of gla, kda"),
     (("experiments.profile_kda", "--set_warps=grad_q:8"), "--set_warps",
-     "intra, solve, state, output, dv_intra, dstate, grad_v, grad_k"),
+     "scores, solve, state, output, dv_intra, dstate, grad_v, grad_k"),
     (("experiments.profile_kda", "--set_warps=grad_k:eight"), "--set_warps",
      "expected kernel:N"),
     (("experiments.profile_kda", "--configs=bounded:32:fused"), "--configs",
-     "path:block_k[:split][:mosaic][:mosaic_out][:tf32x3]"),
+     "path:block_k[:mosaic][:mosaic_out]"),
     (("experiments.ab_kernels", "--versions=kda:v2"), "--versions",
-     "version main (with options +split, +mosaic, +triton, +mosaic_out, "
-     "+ieee, +tf32x3, +tf32, +bf16x3, +rows, +slices, +one_intra, +held, "
-     "+stream, +pull) or a path to a .py file"),
+     "version main (with options +mosaic, +triton, +mosaic_out), git:REV, "
+     "tree:FOLDER or a path to a .py file"),
     (("experiments.ab_kernels", "--versions=kda:main+mosaic+triton"),
      "--versions", "+mosaic, +triton are state passes: give one"),
-    (("experiments.ab_kernels", "--versions=gla:main+stream"), "--versions",
-     "+ieee, +tf32x3, +tf32, +bf16x3, +rows, +slices, +one_intra, +stream "
-     "are kda options"),
-    (("experiments.ab_kernels", "--versions=kda:main+stream+pull"),
-     "--versions", "+held, +stream, +pull are grad_k orders: give one"),
+    (("experiments.ab_kernels", "--versions=kda:main+split"), "--versions",
+     "version main (with options +mosaic, +triton, +mosaic_out)"),
     (("experiments.ab_kernels", "--versions=gla:/no/such/gla.py"),
      "--versions", "no such file"),
     (("experiments.profile_gla", "--tune=warps=8"), "--tune",
@@ -82,19 +77,15 @@ def test_profile_kda_interpret_smoke(tmp_path):
 
 
 def test_ab_kernels_interpret_smoke(tmp_path):
-  # An older copy of a kernel module is given as a file (here: a copy of
-  # the current one) and timed beside the working tree's with both options
-  # (the split backward, the Mosaic GPU state passes).
-  copy = tmp_path / "gla_copy.py"
-  shutil.copy(os.path.join(_ROOT, "pallas_kernels", "linear_attention",
-                           "gla_pallas.py"), copy)
+  # A git revision's kernel package (here: HEAD's), loaded beside the
+  # working tree's, timed against the working tree's op with its state
+  # passes on Mosaic GPU.
   res = _run("experiments.ab_kernels", "--interpret", "--shapes=1x80",
-             "--iters=1", f"--versions=gla:{copy},gla:main+split+mosaic",
+             "--iters=1", "--versions=gla:git:HEAD,gla:main+mosaic",
              f"--out={tmp_path}")
   assert res.returncode == 0, res.stderr[-2000:]
   rows = [json.loads(line) for line in open(tmp_path / "rows.jsonl")]
-  assert [r["version"] for r in rows] == [f"gla:{copy}",
-                                          "gla:main+split+mosaic"]
+  assert [r["version"] for r in rows] == ["gla:git:HEAD", "gla:main+mosaic"]
   assert all(math.isfinite(r["fwd_bwd_ms"]) and r["fwd_bwd_ms"] > 0
              for r in rows)
   # The same op computed both ways: o and the gradients agree.
@@ -103,13 +94,13 @@ def test_ab_kernels_interpret_smoke(tmp_path):
 
 
 def test_profile_gla_interpret_smoke(tmp_path):
-  # Both options: the split backward and the Mosaic GPU passes (K >= 64).
+  # Both options: the Mosaic GPU passes and output (K >= 64).
   res = _run("experiments.profile_gla", "--interpret", "--b=1", "--t=80",
-             "--h=1", "--d=64", "--configs=bounded:32:split:mosaic:mosaic_out",
+             "--h=1", "--d=64", "--configs=bounded:32:mosaic:mosaic_out",
              "--iters=1", "--tune=grad_k_warps=8", f"--out={tmp_path}")
   assert res.returncode == 0, res.stderr[-2000:]
   [row] = [json.loads(line) for line in open(tmp_path / "rows.jsonl")]
-  assert row["tune"]["grad_k_warps"] == 8 and row["tune"]["split_grad_k"]
+  assert row["tune"]["grad_k_warps"] == 8
   assert row["tune"]["state_pass"] == "mosaic"
   assert row["tune"]["output_kernel"] == "mosaic"
   assert {"2 state pass (mosaic)", "3 output (mosaic)",

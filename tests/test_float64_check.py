@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from experiments import float64_check
-from pallas_kernels.linear_attention import reference
+from pallas_kernels.linear_attention.gla import naive as gla_naive
+from pallas_kernels.linear_attention.kda import naive as kda_naive
 
 
 def _inputs(t, h=2, d=32, seed=3):
@@ -29,10 +30,10 @@ def test_float64_recurrence_matches_the_reference_recurrence(op):
   want_o, want_s = float64_check.float64_recurrence(op, x, heads=2)
   f32 = {n: a.astype(jnp.float32) for n, a in x.items()}
   if op == "kda":
-    o, s = reference.naive_recurrent_kda(f32["q"], f32["k"], f32["v"],
+    o, s = kda_naive.naive_recurrent_kda(f32["q"], f32["k"], f32["v"],
                                          f32["g"], f32["beta"])
   else:
-    o, s = reference.naive_recurrent_gla(f32["q"], f32["k"], f32["v"],
+    o, s = gla_naive.naive_recurrent_gla(f32["q"], f32["k"], f32["v"],
                                          f32["g"])
   np.testing.assert_allclose(np.asarray(o[0]), want_o, rtol=1e-4, atol=1e-5)
   np.testing.assert_allclose(np.asarray(s[0]), want_s, rtol=1e-4, atol=1e-5)

@@ -15,21 +15,16 @@ import pytest
 
 from pallas_kernels.linear_attention import (
     available_backends, chunk_gla_ref, gla, naive_recurrent_gla)
-from pallas_kernels.linear_attention.gla_pallas import Tuning, gla_pallas
+from pallas_kernels.linear_attention.gla.chunk import gla_pallas
+from pallas_kernels.linear_attention.gla.tuning import Tuning
 
 B, T, H, K, V = 1, 100, 2, 16, 32
 G_MIN = -5.0
 PATHS = {"bounded": G_MIN, "unbounded": None}
 # Small blocks so that every grid axis has several blocks and the chunk
-# kernels, grad_k included, loop over two K slices (K=32); grad_k in the
-# "held" order (the default is "pull": SMALL_PULL below).
+# kernels, grad_k included, loop over two K slices (K=32).
 SMALL = Tuning(block_k=16, pass_bk=16, pass_bv=16, bv=16, grad_bv=16,
-               grad_k_order="held", grad_k_bk=16)
-# The same, with the backward's contractions over V in their own kernel.
-SMALL_SPLIT = dataclasses.replace(SMALL, split_grad_k=True, state_side_bk=16)
-# Both, with grad_k in the "pull" order.
-SMALL_PULL = dataclasses.replace(SMALL, grad_k_order="pull")
-SMALL_SPLIT_PULL = dataclasses.replace(SMALL_SPLIT, grad_k_order="pull")
+               grad_k_bk=16)
 
 
 def make_inputs(seed, t=T, dk=K, dv=V, g_low=G_MIN):
@@ -123,13 +118,13 @@ def test_largest_head_dims_values_and_gradients(path):
 
 
 @pytest.mark.parametrize(
-    "tune", [SMALL, SMALL_SPLIT, SMALL_PULL, SMALL_SPLIT_PULL],
-    ids=["fused", "split", "fused-pull", "split-pull"])
+    "tune", [SMALL, dataclasses.replace(SMALL, grad_k_bk=32)],
+    ids=["small", "grad_k_bk32"])
 def test_many_blocks_and_k_slices_unbounded_and_bounded(tune):
   # K=32, V=32 with 16-wide blocks: multi-block grids in every kernel, two
-  # K slices inside the chunk kernels, values and gradients; grad_k with
-  # its contractions over V inside (fused) or precomputed (split), its row
-  # tiles held or pulled.
+  # K slices inside the chunk kernels, values and gradients; grad_k at the
+  # same K slice width or at its own (grad_k_bk=32: one slice where the
+  # other kernels take two).
   q, k, v, g, s0 = make_inputs(4, dk=32)
   w = jnp.asarray(np.random.default_rng(5).standard_normal((B, T, H, V)),
                   jnp.float32)
@@ -141,9 +136,6 @@ def test_many_blocks_and_k_slices_unbounded_and_bounded(tune):
     got = grads_pallas(w, q, k, v, g, s0, g_min=g_min, tune=tune)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "ds0"), got, want_g):
       assert rel_err(a, b) < 1e-4, (g_min, name)
-  traced = str(jax.make_jaxpr(functools.partial(grads_pallas, tune=tune))(
-      w, q, k, v, g, s0))
-  assert ("gla_chunk_state_side" in traced) == tune.split_grad_k
 
 
 @pytest.mark.parametrize("path", ["bounded", "unbounded"])
@@ -246,35 +238,12 @@ def test_chunk_size_not_64():
 
 @pytest.mark.parametrize("field, value, match", [
     ("block_k", 24, "a power of two"), ("pass_bv", 8, "a power of two"),
-    ("grad_bv", 0, "a power of two"), ("state_side_bk", 48, "a power of two"),
+    ("grad_bv", 0, "a power of two"), ("pass_bk", 48, "a power of two"),
     ("grad_k_warps", 0, ">= 1"), ("grad_k_bk", 8, "a power of two"),
-    ("grad_k_order", "stream", r"one of \('held', 'pull'\)")])
+    ("state_pass", "cuda", r"one of \('auto', 'triton', 'mosaic'\)")])
 def test_bad_tuning_is_refused(field, value, match):
   q, k, v, g, s0 = make_inputs(0, t=16)
   tune = Tuning(**{field: value})
   with pytest.raises(ValueError, match=f"tune.{field} must be {match}"):
     gla_pallas(q, k, v, g, scale=None, initial_state=s0, chunk_size=64,
                g_min=G_MIN, interpret=True, tune=tune)
-
-
-@pytest.mark.parametrize("path", ["bounded", "unbounded"])
-def test_pull_grad_k_matches_held(path):
-  # The pull order forms the same tile-pair products with the same rounded
-  # operands: gradients equal to fp32 rounding, also at grad_k's own K
-  # slice width (grad_k_bk=32: one slice where the other kernels take two).
-  q, k, v, g, s0 = make_inputs(6, dk=32)
-  w = jnp.asarray(np.random.default_rng(7).standard_normal((B, T, H, V)),
-                  jnp.float32)
-  held = grads_pallas(w, q, k, v, g, s0, g_min=PATHS[path], tune=SMALL)
-  for tune in (SMALL_PULL, dataclasses.replace(SMALL_PULL, grad_k_bk=32)):
-    pull = grads_pallas(w, q, k, v, g, s0, g_min=PATHS[path], tune=tune)
-    for name, a, b in zip(("dq", "dk", "dv", "dg", "ds0"), pull, held):
-      assert np.all(np.isfinite(np.asarray(a))), name
-      assert rel_err(a, b) < 1e-5, (tune.grad_k_bk, name)
-
-
-def test_split_flag_must_be_bool():
-  q, k, v, g, s0 = make_inputs(0, t=16)
-  with pytest.raises(ValueError, match="tune.split_grad_k must be True or"):
-    gla_pallas(q, k, v, g, scale=None, initial_state=s0, chunk_size=64,
-               g_min=G_MIN, interpret=True, tune=Tuning(split_grad_k=1))

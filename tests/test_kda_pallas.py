@@ -26,7 +26,10 @@ import pytest
 
 from pallas_kernels.linear_attention import (
     available_backends, chunk_kda_ref, kda, naive_recurrent_kda)
-from pallas_kernels.linear_attention.kda_pallas import kda_pallas
+from pallas_kernels.linear_attention.common.tiles import mm_dot
+from pallas_kernels.linear_attention.kda.chunk import kda_pallas
+from pallas_kernels.linear_attention.kda.intra import inverse_row
+from pallas_kernels.linear_attention.kda.tuning import Tuning
 
 B, T, H, K, V = 1, 130, 2, 16, 96
 G_MIN = -5.0
@@ -170,7 +173,8 @@ BF16_SHAPE = dict(b=2, t=100, dk=48, dv=16)
 
 def _bf16_op(g_min):
   return functools.partial(kda_pallas, scale=None, chunk_size=64,
-                           g_min=g_min, interpret=True, block_k=32)
+                           g_min=g_min, interpret=True,
+                           tune=Tuning(block_k=32))
 
 
 @pytest.mark.parametrize("with_state", [True, False])
@@ -226,13 +230,11 @@ D_SHAPE = dict(t=130, dk=32, dv=48)
 D_SCALE = 0.3
 
 
-def d_op(g_min, split_grad_k=False, grad_k_order="held", **options):
-  # block_k=16 everywhere (grad_k too): several K slices at K=32. options:
-  # further kda_pallas keywords (intra_order, solve_apart, ...).
+def d_op(g_min):
+  # block_k=16 everywhere (grad_k too): several K slices at K=32.
   op = functools.partial(kda_pallas, scale=D_SCALE, chunk_size=64,
-                         g_min=g_min, interpret=True, block_k=16,
-                         grad_k_block_k=16, split_grad_k=split_grad_k,
-                         grad_k_order=grad_k_order, **options)
+                         g_min=g_min, interpret=True,
+                         tune=Tuning(block_k=16, grad_k_bk=16))
   return lambda q, k, v, g, beta, s0: op(q, k, v, g, beta, initial_state=s0)
 
 
@@ -253,100 +255,6 @@ def test_k_slices_and_v_blocks_values_and_gradients(path, config_d):
   np.testing.assert_allclose(o, o_ref, rtol=1e-4, atol=1e-5)
   np.testing.assert_allclose(s, s_ref, rtol=1e-4, atol=1e-5)
   assert_grads_close(got, want, rel=1e-4, elem=1e-4)
-
-
-@pytest.mark.parametrize("path", sorted(PATHS))
-def test_split_grad_k_matches_reference(path, config_d):
-  # split_grad_k: the backward's contractions over V in their own kernel
-  # (chunk_common._state_side_kernel, K blocks of 64 > K=32 here: clipped),
-  # grad_k reading them. Same gradients as the oracle, and as the fused
-  # kernel to rounding (the V sums run in another order).
-  inputs, cts, want = config_d
-  _, got = pallas_grads(d_op(PATHS[path], split_grad_k=True), inputs, cts)
-  assert_grads_close(got, want, rel=1e-4, elem=1e-4)
-  _, fused = pallas_grads(d_op(PATHS[path]), inputs, cts)
-  for name, a, b in zip(GRAD_NAMES, got, fused):
-    assert rel_err(a, b) < 1e-5, name
-  # ... and the split path really runs the extra kernel.
-  traced = {split: str(jax.make_jaxpr(lambda *x, split=split: pallas_grads(
-      d_op(PATHS[path], split_grad_k=split), x, cts)[1])(*inputs))
-            for split in (False, True)}
-  assert "kda_chunk_state_side" in traced[True]
-  assert "kda_chunk_state_side" not in traced[False]
-
-
-@pytest.mark.parametrize("path", sorted(PATHS))
-@pytest.mark.parametrize("order", ["stream", "pull"])
-@pytest.mark.parametrize("split", [False, True], ids=["fused", "split"])
-def test_grad_k_orders_match_reference(path, order, split, config_d):
-  # grad_k_order "stream" (row tiles last first, each stored once complete)
-  # and "pull" (each row tile forms all of its gradients in loops): same
-  # gradients as the oracle, and as the in-order kernel to rounding (only
-  # the order of the sums differs).
-  inputs, cts, want = config_d
-  _, got = pallas_grads(d_op(PATHS[path], split, grad_k_order=order),
-                        inputs, cts)
-  assert_grads_close(got, want, rel=1e-4, elem=1e-4)
-  _, in_order = pallas_grads(d_op(PATHS[path], split), inputs, cts)
-  for name, a, b in zip(GRAD_NAMES, got, in_order):
-    assert rel_err(a, b) < 1e-5, name
-
-
-@pytest.mark.parametrize("path", sorted(PATHS))
-def test_intra_forms_are_bit_identical(path, config_d):
-  # The intra kernel as one kernel with its K slices (two at K=32,
-  # block_k=16) inside the row tiles ("rows", solve_apart=False), against
-  # intra_order="slices" (the slices outside the rows) and solve_apart=True
-  # (the inverse, W and U in a second kernel reading the stored Lk), each
-  # way: the same products summed in the same order, so o, the state and
-  # every gradient are the same bits.
-  inputs, cts, _ = config_d
-
-  def op(order, apart):
-    return d_op(PATHS[path], intra_order=order, solve_apart=apart)
-  want_out, want = pallas_grads(op("rows", False), inputs, cts)
-  assert all(np.isfinite(np.asarray(x)).all() for x in want)
-  for order, apart in (("slices", False), ("rows", True), ("slices", True)):
-    got_out, got = pallas_grads(op(order, apart), inputs, cts)
-    for a, b in zip(list(got_out) + list(got), list(want_out) + list(want)):
-      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-@pytest.mark.parametrize("path", sorted(PATHS))
-def test_score_groups_are_bit_identical(path, config_d, monkeypatch):
-  # SCORE_GROUPS: the scores kernel's row tiles split over 2 or 4 programs
-  # per chunk (a 4th grid axis), each recomputing b of its tiles 0..i and
-  # storing its own rows; the program with row 3 stores k exp(b_C - b) and
-  # exp(b_C). Same products in the same order: the same bits, in both score
-  # orders.
-  from pallas_kernels.linear_attention import kda_pallas as kp  # pylint: disable=g-import-not-at-top
-  inputs, cts, _ = config_d
-
-  def op(order):
-    return d_op(PATHS[path], intra_order=order, solve_apart=True)
-  for order, n in (("rows", 4), ("slices", 2)):
-    monkeypatch.setattr(kp, "SCORE_GROUPS", kp.SCORE_GROUP_CHOICES[1])
-    jax.clear_caches()   # _intra_call reads SCORE_GROUPS when traced
-    want_out, want = pallas_grads(op(order), inputs, cts)
-    monkeypatch.setattr(kp, "SCORE_GROUPS", kp.SCORE_GROUP_CHOICES[n])
-    jax.clear_caches()
-    got_out, got = pallas_grads(op(order), inputs, cts)
-    for a, b in zip(list(got_out) + list(got), list(want_out) + list(want)):
-      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  jax.clear_caches()
-
-
-@pytest.mark.parametrize("knob,message", [
-    ("split_grad_k", "split_grad_k must be None, True or False"),
-    ("grad_k_order", r"grad_k_order must be one of \('held', 'stream', "
-     r"'pull'\)"),
-    ("intra_order", r"intra_order must be one of \('rows', 'slices'\)"),
-    ("solve_apart", "solve_apart must be None, True or False")])
-def test_grad_k_knobs_are_checked(knob, message):
-  q, k, v, g, beta, s0 = make_inputs(0, t=16)
-  with pytest.raises(ValueError, match=message):
-    kda_pallas(q, k, v, g, beta, scale=None, initial_state=s0, chunk_size=64,
-               g_min=G_MIN, interpret=True, **{knob: "yes"})
 
 
 def test_bounded_clamp_has_zero_grad():
@@ -490,13 +398,28 @@ def test_chunk_size_not_64(via_ops):
     _call(via_ops, chunk_size=32)
 
 
-@pytest.mark.parametrize("name", ["block_k", "grad_k_block_k"])
+@pytest.mark.parametrize("name", ["block_k", "grad_k_bk", "pass_bv"])
 @pytest.mark.parametrize("block_k", [8, 48])
 def test_bad_block_k(name, block_k):
-  with pytest.raises(ValueError, match=f"^{name} must be a power of two"):
+  with pytest.raises(ValueError, match=f"^tune.{name} must be a power of two"):
     kda_pallas(*(_GOOD[n] for n in ("q", "k", "v", "g", "beta")), scale=None,
                initial_state=None, chunk_size=64, g_min=G_MIN, interpret=True,
-               **{name: block_k})
+               tune=Tuning(**{name: block_k}))
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("state_pass", "cuda", r"tune.state_pass must be one of \('auto', "),
+    ("output_kernel", "auto", r"tune.output_kernel must be one of "),
+    ("grad_k_warps", 0, "tune.grad_k_warps must be an int >= 1")])
+def test_bad_tuning(field, value, message):
+  with pytest.raises(ValueError, match=message):
+    kda_pallas(*(_GOOD[n] for n in ("q", "k", "v", "g", "beta")), scale=None,
+               initial_state=None, chunk_size=64, g_min=G_MIN, interpret=True,
+               tune=Tuning(**{field: value}))
+  with pytest.raises(ValueError, match="tune must be a kda.tuning.Tuning"):
+    kda_pallas(*(_GOOD[n] for n in ("q", "k", "v", "g", "beta")), scale=None,
+               initial_state=None, chunk_size=64, g_min=G_MIN, interpret=True,
+               tune={field: value})
 
 
 def test_float16_refused():
@@ -517,10 +440,9 @@ def test_auto_picks_the_unbounded_kernel_without_a_usable_g_min(monkeypatch):
   assert pick(g_min=None)[0] is ops._IMPLS["xla"]["kda"]
 
 
-def _inverse_ttir(tmp_path, dtype, inverse_dot, solve_apart=True):
-  """The Triton IR of the forward's kernel that holds the triangular
-  inverse (kda_chunk_solve, or kda_chunk_intra when not solve_apart),
-  lowered for sm_90."""
+def _inverse_ttir(tmp_path, dtype):
+  """The Triton IR of the kernel that holds the triangular inverse
+  (kda_chunk_solve), lowered for sm_90."""
   from experiments import kernel_resources  # pylint: disable=g-import-not-at-top
   spec = lambda *s, dt=dtype: jax.ShapeDtypeStruct(s, dt)  # noqa: E731
   args = (spec(1, 128, 2, 64), spec(1, 128, 2, 64), spec(1, 128, 2, 64),
@@ -528,11 +450,9 @@ def _inverse_ttir(tmp_path, dtype, inverse_dot, solve_apart=True):
 
   def fwd(q, k, v, g, beta):
     return kda_pallas(q, k, v, g, beta, scale=None, initial_state=None,
-                      chunk_size=64, g_min=G_MIN, inverse_dot=inverse_dot,
-                      solve_apart=solve_apart)[0]
+                      chunk_size=64, g_min=G_MIN)[0]
   found = kernel_resources.capture_ttir(fwd, args, str(tmp_path))
-  kernel = "kda_chunk_solve" if solve_apart else "kda_chunk_intra"
-  [path] = [f for f, name, *_ in found if name == kernel]
+  [path] = [f for f, name, *_ in found if name == "kda_chunk_solve"]
   return open(path).read()
 
 
@@ -545,30 +465,14 @@ def _f32_dot_precisions(ttir):
 
 
 def test_inverse_dot_reaches_the_gpu_lowering(tmp_path):
-  # inverse_dot picks the triangular inverse's fp32 dots for bf16 inputs:
-  # Triton's IEEE, TF32 or 3xTF32 input precision, or three bf16 dots per
-  # product (bf16x3: no fp32 dot left); fp32 inputs keep IEEE (their
-  # contract). (Interpret mode always runs IEEE: the CPU has no TF32, so
-  # their numbers are checked on a card, results/kernels.md.)
-  bf, f32 = jnp.bfloat16, jnp.float32
-  prec = lambda name, *a: _f32_dot_precisions(  # noqa: E731
-      _inverse_ttir(tmp_path / name, *a))
-  assert prec("a", bf, "tf32x3") == {"tf32x3"}
-  assert prec("b", bf, "tf32") == {"tf32"}
-  assert prec("c", bf, "ieee") == {"ieee"}
-  assert prec("d", f32, "tf32") == {"ieee"}
-  assert prec("e", bf, "tf32x3", False) == {"tf32x3"}   # one-kernel form
-  bf16x3 = _inverse_ttir(tmp_path / "f", bf, "bf16x3")
-  assert not _f32_dot_precisions(bf16x3)
-  assert bf16x3.count("tt.dot") > _inverse_ttir(
-      tmp_path / "g", bf, "tf32").count("tt.dot")
-
-
-def test_inverse_dot_must_be_known():
-  q, k, v, g, beta, s0 = make_inputs(0, t=16)
-  with pytest.raises(ValueError, match="inverse_dot must be one of"):
-    kda_pallas(q, k, v, g, beta, scale=None, initial_state=s0, chunk_size=64,
-               g_min=G_MIN, interpret=True, inverse_dot="tf16")
+  # The triangular inverse's fp32 dots are one TF32 MMA each for bf16
+  # inputs; fp32 inputs keep IEEE (their contract). (Interpret mode always
+  # runs IEEE: the CPU has no TF32, so the TF32 numbers are checked on a
+  # card, results/kernels.md, and emulated below.)
+  assert _f32_dot_precisions(
+      _inverse_ttir(tmp_path / "a", jnp.bfloat16)) == {"tf32"}
+  assert _f32_dot_precisions(
+      _inverse_ttir(tmp_path / "b", jnp.float32)) == {"ieee"}
 
 
 def _tf32(x):
@@ -578,46 +482,25 @@ def _tf32(x):
   return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def _bf16(x):
-  """fp32 rounded to bf16 (and back to fp32)."""
-  return x.astype(jnp.bfloat16).astype(jnp.float32)
-
-
 def _exact_dot(x, y, dims):
   """An fp32 dot at full precision (HIGHEST)."""
   return jax.lax.dot_general(x, y, (dims, ((), ())), precision="highest",
                              preferred_element_type=jnp.float32)
 
 
-def _split_dot(rnd, passes):
-  """An emulated tensor-core dot on operands rounded by `rnd`: one pass,
-  a b ~ a_b b_b, or three (Triton's tf32x3, jax's BF16_BF16_F32_X3),
-  a b ~ a_s b_b + a_b b_s + a_b b_b with x_b = rnd(x), x_s = rnd(x - x_b);
-  fp32 accumulation."""
-  def dot(a, b, dims=((1,), (0,))):
-    a_b, b_b = rnd(a), rnd(b)
-    if passes == 1:
-      return _exact_dot(a_b, b_b, dims)
-    a_s, b_s = rnd(a - a_b), rnd(b - b_b)
-    return (_exact_dot(a_s, b_b, dims) + _exact_dot(a_b, b_s, dims)
-            + _exact_dot(a_b, b_b, dims))
-  return dot
-
-
-_dot_3xtf32 = _split_dot(_tf32, 3)
-_dot_tf32 = _split_dot(_tf32, 1)
-_dot_3xbf16 = _split_dot(_bf16, 3)
+def _dot_tf32(a, b, dims=((1,), (0,))):
+  """An emulated TF32 tensor-core dot: operands rounded to TF32, fp32
+  accumulation."""
+  return _exact_dot(_tf32(a), _tf32(b), dims)
 
 
 def test_inverse_accuracy_per_dot_form():
-  # The intra kernel's block inverse (recursive doubling on the diagonal
-  # tiles, block forward substitution off it) with every fp32 dot emulated
-  # as each inverse_dot runs it on the GPU, vs float64 on the hard case
-  # (near-identical keys, beta ~ 1, g ~ 0): IEEE and 3xTF32 stay at fp32
-  # accuracy (3e-7), 3xbf16 at 1.6e-5, one TF32 pass (the default for bf16
-  # inputs) at 9e-4: under the bf16 rounding of M (3.9e-3) that the W, U
-  # and backward dots apply to it anyway.
-  from pallas_kernels.linear_attention import kda_pallas as kp  # pylint: disable=g-import-not-at-top
+  # The solve kernel's block inverse (recursive doubling on the diagonal
+  # tiles, block forward substitution off it) with its fp32 dots IEEE (fp32
+  # inputs, interpret mode) and emulated as one TF32 pass (bf16 inputs on
+  # the GPU), vs float64 on the hard case (near-identical keys, beta ~ 1,
+  # g ~ 0): IEEE at fp32 accuracy (3e-7), TF32 at 9e-4, under the bf16
+  # rounding of M (3.9e-3) that the W, U and backward dots apply anyway.
   rng = np.random.default_rng(11)
   k = rng.standard_normal((1, 64)) + 0.05 * rng.standard_normal((64, 64))
   k /= np.linalg.norm(k, axis=1, keepdims=True)
@@ -629,15 +512,13 @@ def test_inverse_accuracy_per_dot_form():
       np.arange(16), np.arange(16), indexing="ij"))
   lmat32 = jnp.asarray(lmat, jnp.float32)
   errs = {}
-  for name, dot in (("ieee", kp._dot), ("tf32x3", _dot_3xtf32),
-                    ("tf32", _dot_tf32), ("bf16x3", _dot_3xbf16)):
+  for name, dot in (("ieee", mm_dot), ("tf32", _dot_tf32)):
     mt = {}
     for i in range(4):
-      mt = kp._inverse_row(i, [lmat32[16 * i:16 * i + 16, 16 * j:16 * j + 16]
+      mt = inverse_row(i, [lmat32[16 * i:16 * i + 16, 16 * j:16 * j + 16]
                                for j in range(i + 1)], mt, row, col, dot)
     got = np.zeros((64, 64))
     for (i, j), tile in mt.items():
       got[16 * i:16 * i + 16, 16 * j:16 * j + 16] = np.asarray(tile)
     errs[name] = np.abs(got - want).max() / np.abs(want).max()
-  assert errs["ieee"] < 2e-6 and errs["tf32x3"] < 2e-6, errs
-  assert errs["bf16x3"] < 5e-5 and errs["tf32"] < 2e-3, errs
+  assert errs["ieee"] < 2e-6 and errs["tf32"] < 2e-3, errs

@@ -7,7 +7,7 @@ launch parameters) is tested here.
 import pytest
 
 from experiments import kernel_resources as kr
-from pallas_kernels.linear_attention import kda_pallas
+from pallas_kernels.linear_attention.kda import tuning as kda_tuning
 
 
 def test_captures_every_kda_kernel_with_its_launch_parameters(tmp_path):
@@ -18,16 +18,17 @@ def test_captures_every_kda_kernel_with_its_launch_parameters(tmp_path):
   except (ImportError, AttributeError) as e:  # private jax hooks moved
     pytest.skip(f"jax's Pallas Triton lowering hooks are not there: {e}")
   by_name = {name: (warps, stages) for _, name, warps, stages in found}
-  # The intra work as two kernels (kda_pallas.SOLVE_APART, the default).
-  short = {"kda_chunk_scores": "intra", "kda_chunk_solve": "solve",
+  tune = kda_tuning.DEFAULT_TUNING
+  # Every kernel with the warps of its kda.tuning.Tuning field.
+  short = {"kda_chunk_scores": "scores", "kda_chunk_solve": "solve",
            "kda_state_pass": "state",
            "kda_chunk_output": "output", "kda_chunk_dv_intra": "dv_intra",
            "kda_dstate_pass": "dstate", "kda_chunk_grad_v": "grad_v",
            "kda_chunk_grad_k": "grad_k"}
   assert set(by_name) == set(short)
   for name, key in short.items():
-    assert by_name[name] == (kda_pallas.NUM_WARPS[key],
-                             kda_pallas.NUM_STAGES), name
+    assert by_name[name] == (getattr(tune, f"{key}_warps"),
+                             tune.num_stages), name
   for path, name, _, _ in found:
     text = open(path).read()
     assert "tt.func" in text and name in text

@@ -301,7 +301,7 @@ def test_auto_backend_logs_a_g_min_fallback_once(monkeypatch, caplog):
 @pytest.mark.parametrize("c", [16, 64])
 @pytest.mark.parametrize("kind", ["random", "near_all_ones"])
 def test_unit_lower_triangular_inverse_matches_numpy(c, kind):
-  from pallas_kernels.linear_attention.reference import (
+  from pallas_kernels.linear_attention.kda.naive import (
       unit_lower_triangular_inverse)
   rng = np.random.default_rng(c)
   if kind == "random":  # Entries like KDA's L: |L_ij| <= beta |k_i||k_j| < 1.

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, execute_notebook
-from pallas_kernels.linear_attention import numerics
+from pallas_kernels.linear_attention.common import numerics
 
 
 def _row(rows, **kw):

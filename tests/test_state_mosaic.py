@@ -1,4 +1,4 @@
-"""The Mosaic GPU kernels (state_mosaic.py) vs the Triton kernels.
+"""The Mosaic GPU kernels (common/mosaic.py) vs the Triton kernels.
 
 Each pass runs in the GPU interpreter on CPU, tiny shapes: 3 chunks, K=128
 (GLA: two K blocks of 64), V=32 in two V blocks of 16, an initial state.
@@ -20,11 +20,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.linear_attention import chunk_common
 from pallas_kernels.linear_attention import chunk_gla_ref, chunk_kda_ref
-from pallas_kernels.linear_attention import gla_pallas as gla
-from pallas_kernels.linear_attention import kda_pallas as kda
-from pallas_kernels.linear_attention import state_mosaic as sm
+from pallas_kernels.linear_attention.common import mosaic as sm
+from pallas_kernels.linear_attention.common.output import output_call
+from pallas_kernels.linear_attention.gla import chunk as gla
+from pallas_kernels.linear_attention.gla import passes as gla_passes
+from pallas_kernels.linear_attention.gla import tuning as gla_tuning
+from pallas_kernels.linear_attention.kda import chunk as kda
+from pallas_kernels.linear_attention.kda import passes as kda_passes
+from pallas_kernels.linear_attention.kda import tuning as kda_tuning
 
 BF16 = jnp.bfloat16
 SCALE = 0.3
@@ -71,20 +75,21 @@ def _mosaic_call(name, d, layout, interpret=True):
 
 
 def _triton_pass(name, d):
-  lay = kda._layout(jnp.zeros(d["kg"].shape, BF16), d["x"], 32)
-  tune = gla.Tuning(pass_bk=64, pass_bv=16)
-  glay = gla._layout(jnp.zeros(d["kg"].shape, BF16), d["x"], tune)
+  ktune = kda_tuning.Tuning()
+  lay = kda.call_layout(jnp.zeros(d["kg"].shape, BF16), d["x"], ktune)
+  tune = gla_tuning.Tuning(pass_bk=64, pass_bv=16)
+  glay = gla.call_layout(jnp.zeros(d["kg"].shape, BF16), d["x"], tune)
   if name == "kda_state":
-    return kda._state_call(d["w"], d["x"], d["kg"], d["ec"], d["s0"], lay,
-                           True)
+    return kda_passes.state_call(d["w"], d["x"], d["kg"], d["ec"], d["s0"],
+                                 lay, ktune, True)
   if name == "gla_state":
-    return gla._state_call(d["kg"], d["x"], d["ec"], d["s0"], glay, tune,
-                           True)
+    return gla_passes.state_call(d["kg"], d["x"], d["ec"], d["s0"], glay,
+                                 tune, True)
   if name == "gla_dstate":
-    return gla._dstate_call(d["qg"], d["do"], d["ec"], d["s0"], glay, SCALE,
-                            tune, True)
-  return kda._dstate_call(d["qg"], d["kg"], d["ec"], d["w"], d["do"],
-                          d["dvi"], d["s0"], lay, SCALE, True)
+    return gla_passes.dstate_call(d["qg"], d["do"], d["ec"], d["s0"], glay,
+                                  SCALE, tune, True)
+  return kda_passes.dstate_call(d["qg"], d["kg"], d["ec"], d["w"], d["do"],
+                                d["dvi"], d["s0"], lay, SCALE, ktune, True)
 
 
 @pytest.mark.parametrize("layout", sm.LAYOUTS)
@@ -142,8 +147,9 @@ def _mosaic_output(d, interpret=True):
 def test_output_matches_triton(output_inputs):
   fn, args = _mosaic_output(output_inputs)
   got = fn(*args)
-  lay = kda._layout(output_inputs["qg"], output_inputs["x"], 32)
-  want = chunk_common._output_call(*args, lay, SCALE, BF16, True, 4, "o")
+  lay = kda.call_layout(output_inputs["qg"], output_inputs["x"],
+                        kda_tuning.Tuning())
+  want = output_call(*args, lay, SCALE, BF16, True, 4, "o")
   assert got.shape == want.shape and got.dtype == want.dtype
   assert np.all(np.isfinite(np.asarray(got, np.float32)))
   assert rel_err(got, want) < 2e-3
@@ -181,9 +187,10 @@ def _op(name, kernels):
     def f(q, k, v, g, beta, s0):
       return kda.kda_pallas(q, k, v, g, beta, scale=SCALE, initial_state=s0,
                             chunk_size=64, g_min=-5.0, interpret=True,
-                            state_pass=kernels, output_kernel=kernels)
+                            tune=kda_tuning.Tuning(state_pass=kernels,
+                                                   output_kernel=kernels))
     return f
-  tune = gla.Tuning(state_pass=kernels, output_kernel=kernels)
+  tune = gla_tuning.Tuning(state_pass=kernels, output_kernel=kernels)
 
   def f(q, k, v, g, beta, s0):
     del beta
@@ -247,27 +254,27 @@ def test_op_runs_the_mosaic_kernels(name, op_runs):
 def test_bad_state_pass_inputs_name_the_field():
   d = _op_inputs()
   args = [d[n] for n in ("q", "k", "v", "g", "beta", "s0")]
-  with pytest.raises(ValueError, match="state_pass must be one of"):
-    kda.kda_pallas(*args[:5], scale=None, initial_state=args[5],
-                   chunk_size=64, g_min=-5.0, interpret=True,
-                   state_pass="cuda")
   with pytest.raises(ValueError, match="tune.state_pass must be one of"):
-    gla.check_tuning(gla.Tuning(state_pass="cuda"))
-  with pytest.raises(ValueError, match="tune.output_kernel must be one of"):
-    gla.check_tuning(gla.Tuning(output_kernel="cuda"))
-  with pytest.raises(ValueError, match="output_kernel must be one of"):
     kda.kda_pallas(*args[:5], scale=None, initial_state=args[5],
                    chunk_size=64, g_min=-5.0, interpret=True,
-                   output_kernel="cuda")
+                   tune=kda_tuning.Tuning(state_pass="cuda"))
+  with pytest.raises(ValueError, match="tune.state_pass must be one of"):
+    gla_tuning.check_tuning(gla_tuning.Tuning(state_pass="cuda"))
+  with pytest.raises(ValueError, match="tune.output_kernel must be one of"):
+    gla_tuning.check_tuning(gla_tuning.Tuning(output_kernel="cuda"))
+  with pytest.raises(ValueError, match="tune.output_kernel must be one of"):
+    kda.kda_pallas(*args[:5], scale=None, initial_state=args[5],
+                   chunk_size=64, g_min=-5.0, interpret=True,
+                   tune=kda_tuning.Tuning(output_kernel="cuda"))
   fp32 = [a.astype(jnp.float32) for a in args]
   with pytest.raises(ValueError, match="state_pass='mosaic' takes bfloat16"):
     kda.kda_pallas(*fp32[:5], scale=None, initial_state=fp32[5],
                    chunk_size=64, g_min=-5.0, interpret=True,
-                   state_pass="mosaic")
+                   tune=kda_tuning.Tuning(state_pass="mosaic"))
   with pytest.raises(ValueError, match="output_kernel='mosaic' takes bf"):
     kda.kda_pallas(*fp32[:5], scale=None, initial_state=fp32[5],
                    chunk_size=64, g_min=-5.0, interpret=True,
-                   output_kernel="mosaic")
+                   tune=kda_tuning.Tuning(output_kernel="mosaic"))
   with pytest.raises(ValueError, match="output_kernel='mosaic' block_v"):
     sm.check_state_pass(128, 256, BF16, 128, 128, "rows", whole_k=True,
                         what="output_kernel")
@@ -277,7 +284,7 @@ def test_bad_state_pass_inputs_name_the_field():
   with pytest.raises(ValueError, match="multiple of 64"):
     gla.gla_pallas(*narrow[:4], scale=None, initial_state=narrow[5],
                    chunk_size=64, g_min=-5.0, interpret=True,
-                   tune=gla.Tuning(state_pass="mosaic"))
+                   tune=gla_tuning.Tuning(state_pass="mosaic"))
   with pytest.raises(ValueError, match="block_k must be"):
     sm.check_state_pass(128, 32, BF16, 64, 16, "rows", whole_k=True)
   with pytest.raises(ValueError, match="block_v must be"):
@@ -364,7 +371,8 @@ def test_public_op_passes_pallas_options(op_runs):
   from pallas_kernels.linear_attention import ops  # pylint: disable=g-import-not-at-top
   d, runs = op_runs
   args = tuple(d[n] for n in ("q", "k", "v", "g", "beta"))
-  mosaic = dict(state_pass="mosaic", output_kernel="mosaic")
+  mosaic = dict(tune=kda_tuning.Tuning(state_pass="mosaic",
+                                       output_kernel="mosaic"))
   o, s = ops.kda(*args, scale=SCALE, initial_state=d["s0"],
                  backend="interpret", g_min=-5.0, pallas_options=mosaic)
   (o_want, s_want), _ = runs[("kda", "mosaic")]
@@ -378,7 +386,7 @@ def test_public_op_passes_pallas_options(op_runs):
   np.testing.assert_array_equal(np.asarray(o_x, np.float32),
                                 np.asarray(o_ref, np.float32))
   with pytest.raises(ValueError, match=r"unknown option\(s\) \['warps'\] for "
-                     r"kda; allowed: .*state_pass.*output_kernel"):
+                     r"kda; allowed: bounded, tune"):
     ops.kda(*args, scale=SCALE, initial_state=d["s0"], backend="interpret",
             g_min=-5.0, pallas_options=dict(warps=8))
   with pytest.raises(ValueError, match="pallas_options must be None or a "

@@ -11,8 +11,8 @@ import pytest
 from pallas_kernels.linear_attention import (
     gla_step, kda_step, naive_recurrent_gla, naive_recurrent_kda,
     recurrent_step_gla, recurrent_step_kda)
-from pallas_kernels.linear_attention.step_pallas import (
-    gla_step_pallas, kda_step_pallas)
+from pallas_kernels.linear_attention.gla.step import gla_step_pallas
+from pallas_kernels.linear_attention.kda.step import kda_step_pallas
 
 B, H, K, V = 2, 3, 48, 96
 

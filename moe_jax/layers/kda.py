@@ -30,6 +30,7 @@ from pallas_kernels.linear_attention import kda as kda_op
 from pallas_kernels.linear_attention import kda_step
 from pallas_kernels.linear_attention.context_parallel import (
     kda_context_parallel)
+from pallas_kernels.linear_attention.kda.tuning import Tuning as KdaTuning
 
 
 def causal_depthwise_conv(x: jax.Array, kernel: jax.Array,
@@ -109,7 +110,8 @@ class KDA(nn.Module):
     backend: linear-attention backend ("auto" | "xla" | "pallas" | "interpret").
     pallas_stages: "auto" (the kernel module's defaults) | "triton" |
       "mosaic": the Pallas kernel's state passes and output kernel as Triton
-      or Mosaic GPU (wgmma) kernels (kda_pallas state_pass / output_kernel;
+      or Mosaic GPU (wgmma) kernels (kda.tuning.Tuning state_pass and
+      output_kernel;
       "mosaic" needs bf16 and a head dim > 32). Used only when the op runs
       the Pallas kernel.
     context_axis: mesh axis that, when the ambient mesh (jax.set_mesh) has it
@@ -186,8 +188,8 @@ class KDA(nn.Module):
     op_kw = dict(backend=self.backend, chunk_size=self.chunk_size,
                  g_min=self.g_min if self.decay == "bounded" else None,
                  pallas_options=None if self.pallas_stages == "auto" else dict(
-                     state_pass=self.pallas_stages,
-                     output_kernel=self.pallas_stages))
+                     tune=KdaTuning(state_pass=self.pallas_stages,
+                                    output_kernel=self.pallas_stages)))
     n_ctx = mesh_utils.axis_size(self.context_axis)
     if decode:
       state = self.variable("cache", "state", jnp.zeros, (b, h, dk, dk),

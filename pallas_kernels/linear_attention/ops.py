@@ -8,7 +8,7 @@
 Shapes (docs/design.md §4): q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H];
 states [B, H, K, V] fp32. o comes back in v.dtype, states in fp32.
 
-Backends. "xla" runs the pure-JAX chunked oracle (reference.chunk_*_ref),
+Backends. "xla" runs the pure-JAX chunked oracle (gla/naive.py, kda/naive.py: chunk_*_ref),
 which is safe for any g <= 0. "pallas" (GPU) and "interpret" (the same Pallas
 kernels interpreted on CPU) are filled in by a kernel module calling
 register_backend(...) at import; until then they raise NotImplementedError.
@@ -27,8 +27,10 @@ from typing import Callable, Dict, Mapping, Optional
 import jax
 import numpy as np
 
-from pallas_kernels.linear_attention.reference import (
-    chunk_gla_ref, chunk_kda_ref, recurrent_step_gla, recurrent_step_kda)
+from pallas_kernels.linear_attention.gla.naive import (
+    chunk_gla_ref, recurrent_step_gla)
+from pallas_kernels.linear_attention.kda.naive import (
+    chunk_kda_ref, recurrent_step_kda)
 
 BACKENDS = ("auto", "xla", "pallas", "interpret")
 CHUNK_SIZES = (16, 32, 64, 128)
@@ -237,8 +239,9 @@ def gla(q, k, v, g, *, scale=None, initial_state=None, backend="auto",
     backend: "auto" | "xla" | "pallas" | "interpret".
     chunk_size: 16, 32, 64 or 128.
     g_min: None, or a python float < 0 promising g >= g_min (bounded decay).
-    pallas_options: keyword options of the Pallas kernel (gla_pallas: tune,
-      bounded), used when the call runs it; ignored by the XLA oracle.
+    pallas_options: keyword options of the Pallas kernel (gla/chunk.py:
+      tune, a gla.tuning.Tuning; bounded), used when the call runs it;
+      ignored by the XLA oracle.
   Returns:
     o [B, T, H, V] in v.dtype, final state [B, H, K, V] fp32.
   """
@@ -266,10 +269,9 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, backend="auto",
     backend: "auto" | "xla" | "pallas" | "interpret".
     chunk_size: 16, 32, 64 or 128.
     g_min: None, or a python float < 0 promising g >= g_min (bounded decay).
-    pallas_options: keyword options of the Pallas kernel (kda_pallas:
-      state_pass, output_kernel, split_grad_k, grad_k_order, grad_k_block_k,
-      intra_order, solve_apart, inverse_dot, block_k, bounded), used when
-      the call runs it; ignored by the XLA oracle.
+    pallas_options: keyword options of the Pallas kernel (kda/chunk.py:
+      tune, a kda.tuning.Tuning; bounded), used when the call runs it;
+      ignored by the XLA oracle.
   Returns:
     o [B, T, H, V] in v.dtype, final state [B, H, K, V] fp32.
   """

@@ -1,11 +1,10 @@
 """The sequential state passes of chunked GLA and KDA on Mosaic GPU (wgmma).
 
-DESIGN 3.2 / 4; issue 3 ("then try Mosaic GPU for the matmul-heavy
-stages"). The Triton passes (`kda_pallas._state_kernel` / `_dstate_kernel`,
-`gla_pallas._state_kernel` / `_dstate_kernel`) are the reference these
-kernels are tested against; they are an opt-in alternative
-(`state_pass="mosaic"` on either op) until a card says they pay
-(results/kernels.md).
+docs/design.md §4. The Triton passes (kda/passes.py, gla/passes.py) are the
+reference these kernels are tested against; Tuning.state_pass="auto" (the
+default of both ops) runs these on a GPU wherever they apply, where they
+are faster (results/kernels.md); Tuning.output_kernel="mosaic" runs
+`output` instead of the Triton output kernel.
 
 One program per (batch, head, K block of bk, V block of bv), sequential
 over the chunks (S [bk, bv] fp32 held in registers as a wgmma accumulator;
@@ -54,7 +53,7 @@ try:
 except ImportError:  # pragma: no cover - every supported jax has it
   plgpu = None
 
-from pallas_kernels.linear_attention.chunk_common import CHUNK
+from pallas_kernels.linear_attention.common.tiles import CHUNK
 
 _F32 = jnp.float32
 LAYOUTS = ("rows", "cols")
@@ -540,7 +539,7 @@ def _output_kernel(qg_g, aqk_g, x_g, states_g, o_g,
 def output(qg, aqk, x, states, *, scale, out_dtype, bv=64, per_program=None,
            interpret=False):
   """O = scale ((q exp(b)) S_n + Aqk X) on Mosaic GPU (the counterpart of
-  chunk_common._output_call): both products into one accumulator, M = C.
+  common/output.output_call): both products into one accumulator, M = C.
 
   Args:
     qg: q exp(b) [B, Tp, H, Kp] bf16; aqk: [B, H, Tp, C] bf16; x: [B, Tp, H,

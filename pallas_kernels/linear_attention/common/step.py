@@ -1,8 +1,8 @@
-"""One-token GLA and KDA steps (decoding) as Pallas kernels (Triton lowering).
+"""The one-token GLA and KDA step (decoding) as one Pallas kernel (Triton).
 
-Registered as the "pallas" (GPU) and "interpret" (CPU) backends of
-`ops.gla_step` / `ops.kda_step`; `reference.recurrent_step_gla/kda` is the
-oracle. Per (batch, head, V block), with the state block S [K, BV] fp32:
+gla/step.py and kda/step.py wrap it; they are registered as the "pallas"
+(GPU) and "interpret" (CPU) backends of `ops.gla_step` / `ops.kda_step`, and
+`recurrent_step_gla/kda` (gla/naive.py, kda/naive.py) are the oracles. Per (batch, head, V block), with the state block S [K, BV] fp32:
     GLA: S' = diag(exp(g)) S + k v^T
     KDA: S~ = diag(exp(g)) S;  S' = S~ + (beta k) (v - S~^T k)^T
     o   = scale S'^T q
@@ -22,34 +22,34 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.linear_attention import ops
-from pallas_kernels.linear_attention.kda_pallas import (_block_v,
-                                                        _compiler_params)
+from pallas_kernels.linear_attention.common.tiles import (
+    block_v, compiler_params)
 
-_F32 = jnp.float32
+
+F32 = jnp.float32
+
+
 MAX_DIM = 256
-
-__all__ = ["gla_step_pallas", "kda_step_pallas", "register"]
 
 
 def _step_kernel(q_ref, k_ref, g_ref, bk_ref, v_ref, s_ref, o_ref, snew_ref, *,
                  scale, delta):
   # q_ref, k_ref, g_ref, bk_ref (beta k; unused for GLA) [Kp]; v_ref,
   # o_ref [BV]; s_ref, snew_ref [Kp, BV] fp32.
-  s = jnp.exp(g_ref[...].astype(_F32))[:, None] * s_ref[...]
-  v = v_ref[...].astype(_F32)
+  s = jnp.exp(g_ref[...].astype(F32))[:, None] * s_ref[...]
+  v = v_ref[...].astype(F32)
   if delta:   # the delta rule on the decayed state
-    k = k_ref[...].astype(_F32)
+    k = k_ref[...].astype(F32)
     pred = jnp.sum(k[:, None] * s, axis=0)                     # S~^T k [BV]
     s = s + bk_ref[...][:, None] * (v - pred)[None, :]
   else:
-    s = s + k_ref[...].astype(_F32)[:, None] * v[None, :]
+    s = s + k_ref[...].astype(F32)[:, None] * v[None, :]
   snew_ref[...] = s
-  o_ref[...] = (scale * jnp.sum(q_ref[...].astype(_F32)[:, None] * s,
+  o_ref[...] = (scale * jnp.sum(q_ref[...].astype(F32)[:, None] * s,
                                 axis=0)).astype(o_ref.dtype)
 
 
-def _check(q, k, v, g, beta, state, what):
+def check_step(q, k, v, g, beta, state, what):
   shape = lambda x: tuple(getattr(x, "shape", ()))  # noqa: E731
   if len(shape(q)) != 3:
     raise ValueError(f"q must have rank 3 [B, H, K], got shape {shape(q)}")
@@ -76,14 +76,14 @@ def _check(q, k, v, g, beta, state, what):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "delta", "interpret"))
-def _step(q, k, v, g, bk, state, *, scale, delta, interpret):
+def run_step(q, k, v, g, bk, state, *, scale, delta, interpret):
   bsz, h, dk = q.shape
   dv = v.shape[-1]
   kp = 1 << (dk - 1).bit_length()
   pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, kp - dk)))  # noqa: E731
-  q, k, g, bk = (pad(x) for x in (q, k, g.astype(_F32), bk))
-  state = jnp.pad(state.astype(_F32), ((0, 0), (0, 0), (0, kp - dk), (0, 0)))
-  bv = _block_v(dv)
+  q, k, g, bk = (pad(x) for x in (q, k, g.astype(F32), bk))
+  state = jnp.pad(state.astype(F32), ((0, 0), (0, 0), (0, kp - dk), (0, 0)))
+  bv = block_v(dv)
   vec_k = pl.BlockSpec((None, None, kp), lambda b, hh, j: (b, hh, 0))
   vec_v = pl.BlockSpec((None, None, bv), lambda b, hh, j: (b, hh, j))
   blk = pl.BlockSpec((None, None, kp, bv), lambda b, hh, j: (b, hh, 0, j))
@@ -93,44 +93,14 @@ def _step(q, k, v, g, bk, state, *, scale, delta, interpret):
       in_specs=[vec_k, vec_k, vec_k, vec_k, vec_v, blk],
       out_specs=[vec_v, blk],
       out_shape=[jax.ShapeDtypeStruct((bsz, h, dv), v.dtype),
-                 jax.ShapeDtypeStruct((bsz, h, kp, dv), _F32)],
+                 jax.ShapeDtypeStruct((bsz, h, kp, dv), F32)],
       input_output_aliases={5: 1},
-      compiler_params=_compiler_params(num_warps=4, num_stages=1),
+      compiler_params=compiler_params(num_warps=4, num_stages=1),
       interpret=interpret,
       name="kda_step" if delta else "gla_step",
   )(q, k, g, bk, v, state)
   return o, s[:, :, :dk]
 
 
-def _scale(scale, dk):
+def step_scale(scale, dk):
   return float(dk) ** -0.5 if scale is None else float(scale)
-
-
-def gla_step_pallas(q, k, v, g, state, *, scale=None, interpret=False):
-  """One GLA token. q, k, g [B, H, K]; v [B, H, V]; state [B, H, K, V].
-
-  Returns o [B, H, V] in v.dtype and the new state [B, H, K, V] fp32.
-  """
-  _, _, dk, _ = _check(q, k, v, g, None, state, "GLA")
-  return _step(q, k, v, g, jnp.zeros(q.shape, _F32), state,
-               scale=_scale(scale, dk), delta=False, interpret=bool(interpret))
-
-
-def kda_step_pallas(q, k, v, g, beta, state, *, scale=None, interpret=False):
-  """One KDA token. q, k, g [B, H, K]; v [B, H, V]; beta [B, H];
-  state [B, H, K, V]. Returns o [B, H, V] in v.dtype, new state fp32."""
-  if beta is None:
-    raise ValueError("beta must be given for KDA: shape [B, H]")
-  _, _, dk, _ = _check(q, k, v, g, beta, state, "KDA")
-  bk = beta.astype(_F32)[..., None] * k.astype(_F32)
-  return _step(q, k, v, g, bk, state, scale=_scale(scale, dk), delta=True,
-               interpret=bool(interpret))
-
-
-def register():
-  ops.register_backend("pallas", gla_step=gla_step_pallas,
-                       kda_step=kda_step_pallas)
-  ops.register_backend(
-      "interpret",
-      gla_step=functools.partial(gla_step_pallas, interpret=True),
-      kda_step=functools.partial(kda_step_pallas, interpret=True))

@@ -286,6 +286,11 @@ def validate_mesh_config(config: ml_collections.ConfigDict) -> None:
       raise ConfigError(
           f"mesh.rules[{name!r}] must be None, one of {list(MESH_AXES)} or a "
           f"tuple of distinct ones, got {rule[1]!r}")
+    if name in ("sequence", "expert") and len(axes) > 1:
+      # The context-parallel and expert-parallel layers split over one axis.
+      raise ConfigError(
+          f"mesh.rules[{name!r}] must be None or one mesh axis (the "
+          f"shard_map layers split {name} over one), got {rule[1]!r}")
 
 
 # ----- resuming a workdir with another config -----

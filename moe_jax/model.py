@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from moe_jax.balancing import QB_HIST_SCALE
+from moe_jax.layers import mesh_utils
 from moe_jax.layers.attn_res import AttnResMix, BlockAttnResState
 from moe_jax.layers.kda import KDA
 from moe_jax.layers.mla import GatedMLA
@@ -65,6 +66,10 @@ class HybridLM(nn.Module):
   cfg: ml_collections.FrozenConfigDict
   rules: tuple | None = None
 
+  def _mesh_axes(self) -> mesh_utils.MeshAxes:
+    """The axes the shard_map layers split over, from the rules table."""
+    return mesh_utils.mesh_axes(self.rules)
+
   def _sublayer(self, cls, decode: bool = False):
     """cls, wrapped in nn.remat under the config's policy (same params).
 
@@ -85,18 +90,18 @@ class HybridLM(nn.Module):
           d_model=c.d_model, num_heads=k.num_heads, decay=k.decay,
           g_min=k.g_min, decay_rank=k.decay_rank, gate_rank=k.gate_rank,
           conv_size=k.conv_size, chunk_size=k.chunk_size, backend=k.backend,
-          pallas_stages=k.pallas_stages, norm_eps=c.norm_eps,
-          out_init_scale=out_scale, dtype=dtype, param_dtype=pdtype,
-          name=f"layer_{i}_kda")
+          pallas_stages=k.pallas_stages, mesh_axes=self._mesh_axes(),
+          norm_eps=c.norm_eps, out_init_scale=out_scale, dtype=dtype,
+          param_dtype=pdtype, name=f"layer_{i}_kda")
     m = c.mla
     return self._sublayer(GatedMLA, decode)(
         d_model=c.d_model, num_heads=m.num_heads,
         kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
         v_head_dim=m.v_head_dim, q_lora_rank=m.q_lora_rank,
         qk_rope_head_dim=m.qk_rope_head_dim, rope_theta=m.rope_theta,
-        attention_impl=m.attention_impl, norm_eps=c.norm_eps,
-        out_init_scale=out_scale, dtype=dtype, param_dtype=pdtype,
-        name=f"layer_{i}_mla")
+        attention_impl=m.attention_impl, mesh_axes=self._mesh_axes(),
+        norm_eps=c.norm_eps, out_init_scale=out_scale, dtype=dtype,
+        param_dtype=pdtype, name=f"layer_{i}_mla")
 
   def _ffn(self, i: int, decode: bool = False) -> nn.Module:
     c = self.cfg
@@ -115,8 +120,8 @@ class HybridLM(nn.Module):
         # Configs saved before the field existed used the constant.
         qb_scale=e.get("qb_hist_scale", QB_HIST_SCALE),
         expert_latent_dim=e.expert_latent_dim, dispatch=e.dispatch,
-        grouped_matmul=e.grouped_matmul, dtype=dtype, param_dtype=pdtype,
-        name=f"layer_{i}_moe")
+        grouped_matmul=e.grouped_matmul, mesh_axes=self._mesh_axes(),
+        dtype=dtype, param_dtype=pdtype, name=f"layer_{i}_moe")
 
   @nn.compact
   def __call__(self, tokens: jax.Array, decode: bool = False,

@@ -11,6 +11,7 @@ also meet.
 """
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
@@ -356,3 +357,38 @@ def test_num_devices_takes_the_first_n_and_refuses_too_many():
   config.mesh.num_devices = 0
   with pytest.raises(ConfigError, match="mesh.num_devices must be -1"):
     validate_config(config)
+
+
+def test_mesh_axes_come_from_the_rules():
+  from moe_jax.layers import mesh_utils
+  default = mesh_utils.mesh_axes(None)
+  assert default == mesh_utils.MeshAxes()
+  assert (default.batch, default.context, default.expert) == (
+      ("data", "fsdp", "expert"), "context", "expert")
+  custom = mesh_utils.mesh_axes((("batch", "data"), ("sequence", None),
+                                 ("heads", None), ("expert", "fsdp")))
+  assert custom == mesh_utils.MeshAxes(batch=("data",), heads=(),
+                                       context=None, expert="fsdp")
+  config = load_config("default.py", "tiny")
+  config.mesh.rules = (("sequence", ("context", "data")),)
+  with pytest.raises(ConfigError, match=r"mesh.rules\['sequence'\] must be "
+                     "None or one mesh axis"):
+    validate_config(config)
+
+
+@pytest.mark.parametrize("expert_rule,all_to_all", [("expert", True),
+                                                    (None, False)])
+def test_moe_splits_experts_over_the_rules_axis(expert_rule, all_to_all):
+  """The MoE's all-to-all follows the rules table: ('expert', None) keeps the
+  experts whole on a mesh that has an expert axis."""
+  config = load_config("default.py", "tiny")
+  config.mesh.rules = tuple(
+      (name, expert_rule if name == "expert" else axes)
+      for name, axes in config.mesh.rules)
+  model = build_model(config)
+  mesh = sharding.make_mesh(_mesh_cfg((2, 1, 4, 1, 1)))
+  tokens = jnp.zeros((8, 32), jnp.int32)
+  with sharding.use_mesh(mesh):
+    params = jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens)
+    text = jax.jit(model.apply).lower(params, tokens).as_text()
+  assert ("all_to_all" in text or "all-to-all" in text) == all_to_all

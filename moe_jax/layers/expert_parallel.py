@@ -58,8 +58,6 @@ GROUPED_MATMULS = ("auto", "ragged_dot", "pallas", "interpret")
 
 # Axes that may split the token dims [B, T] (or [N]); the expert axis must be
 # one of them so that each token is dispatched by exactly one device.
-_BATCH_AXES = mesh_utils.DEFAULT_BATCH_AXES
-_SEQ_AXES = mesh_utils.DEFAULT_SEQUENCE_AXES + ("expert",)
 
 
 def resolve_grouped_matmul(matmul: str, dims: Sequence[int] = ()) -> str:
@@ -153,19 +151,22 @@ def _permute_bwd(slots, res, ct):
 permute_rows.defvjp(_permute_fwd, _permute_bwd)
 
 
-def token_axes(mesh, lead_shape: Sequence[int],
-               expert_axis: str = "expert") -> Optional[tuple]:
+def token_axes(mesh, lead_shape: Sequence[int], expert_axis: str = "expert",
+               batch_axes: Sequence[str] = mesh_utils.DEFAULT_BATCH_AXES,
+               context_axis: Optional[str] = "context") -> Optional[tuple]:
   """Mesh axes splitting each token dim for the expert-parallel path.
 
-  Leading dims [B, T]: B over ("data", "fsdp", "expert"), T over
-  ("context", "expert") (greedy, mesh order, each axis once, only axes that
-  divide); a flat [N] takes all of them. Returns None when the expert axis
-  cannot split the tokens (then the caller keeps the single-device path).
+  Leading dims [B, T]: B over batch_axes (default ("data", "fsdp",
+  "expert")), T over (context_axis, expert_axis) (greedy, mesh order, each
+  axis once, only axes that divide); a flat [N] takes all of them. Returns
+  None when the expert axis cannot split the tokens (then the caller keeps
+  the single-device path).
   """
+  seq = (() if context_axis is None else (context_axis,)) + (expert_axis,)
   if len(lead_shape) == 1:
-    groups = [_BATCH_AXES + mesh_utils.DEFAULT_SEQUENCE_AXES]
+    groups = [tuple(batch_axes) + seq]
   elif len(lead_shape) == 2:
-    groups = [_BATCH_AXES, _SEQ_AXES]
+    groups = [tuple(batch_axes), seq]
   else:
     raise ValueError(f"token dims must be [N] or [B, T], got {lead_shape}")
   used, out = (), []
@@ -218,6 +219,9 @@ def _dispatch_body(x, idx, w, w_gate, w_up, w_down, *, axis, n_dev, capacity,
 
 def expert_parallel_experts(x, idx, w, w_gate, w_up, w_down, *, mesh=None,
                             expert_axis: str = "expert",
+                            batch_axes: Sequence[str] = (
+                                mesh_utils.DEFAULT_BATCH_AXES),
+                            context_axis: Optional[str] = "context",
                             capacity_factor: Optional[float] = None,
                             matmul: str = "ragged_dot"):
   """Routed experts split over `expert_axis` with an all-to-all dispatch.
@@ -231,6 +235,8 @@ def expert_parallel_experts(x, idx, w, w_gate, w_up, w_down, *, mesh=None,
     w_gate, w_up: [E, D, F]; w_down: [E, F, D]; E divisible by the axis size.
     mesh: Mesh/AbstractMesh, None for the ambient one (jax.set_mesh).
     expert_axis: the mesh axis the experts are split over.
+    batch_axes, context_axis: mesh axes that may split the token dims
+      (`token_axes`), from the run's rules.
     capacity_factor: None = dropless (capacity = all local tokens); c > 0 =
       ceil(c n k / P) rows per destination (drops tokens beyond it).
     matmul: the local grouped product, one of GROUPED_MATMULS.
@@ -251,7 +257,7 @@ def expert_parallel_experts(x, idx, w, w_gate, w_up, w_down, *, mesh=None,
   if idx.shape[:-1] != lead or w.shape != idx.shape:
     raise ValueError(f"idx and w must be [..., k] over the token dims of x "
                      f"{x.shape}; got {idx.shape}, {w.shape}")
-  axes = token_axes(mesh, lead, expert_axis)
+  axes = token_axes(mesh, lead, expert_axis, batch_axes, context_axis)
   if axes is None:
     raise ValueError(f"token dims {lead} cannot be split over the "
                      f"{expert_axis!r} axis (size {n_dev}) of mesh {sizes}")

@@ -114,9 +114,11 @@ class KDA(nn.Module):
       output_kernel;
       "mosaic" needs bf16 and a head dim > 32). Used only when the op runs
       the Pallas kernel.
-    context_axis: mesh axis that, when the ambient mesh (jax.set_mesh) has it
-      with size > 1 dividing T, splits the sequence for the token mixing
-      (context parallelism); otherwise the plain single-device op.
+    mesh_axes: the mesh axes from the run's rules (mesh_utils.mesh_axes):
+      when the ambient mesh (jax.set_mesh) has its context axis with size > 1
+      dividing T, the sequence is split over it for the token mixing
+      (context parallelism), B and H over its batch and head axes that
+      divide; otherwise the plain single-device op.
   """
   d_model: int
   num_heads: int
@@ -128,7 +130,7 @@ class KDA(nn.Module):
   chunk_size: int = 64
   backend: str = "auto"
   pallas_stages: str = "auto"
-  context_axis: str = "context"
+  mesh_axes: mesh_utils.MeshAxes = mesh_utils.MeshAxes()
   norm_eps: float = 1e-6
   out_init_scale: float = 1.0
   dtype: jnp.dtype = jnp.float32
@@ -190,7 +192,7 @@ class KDA(nn.Module):
                  pallas_options=None if self.pallas_stages == "auto" else dict(
                      tune=KdaTuning(state_pass=self.pallas_stages,
                                     output_kernel=self.pallas_stages)))
-    n_ctx = mesh_utils.axis_size(self.context_axis)
+    n_ctx = mesh_utils.axis_size(self.mesh_axes.context)
     if decode:
       state = self.variable("cache", "state", jnp.zeros, (b, h, dk, dk),
                             jnp.float32)
@@ -204,8 +206,11 @@ class KDA(nn.Module):
     elif n_ctx > 1 and t % n_ctx == 0:
       # Sequence split over the context axis: local chunks + an exchange of
       # per-device [K, K] / [K, V] state transitions (context_parallel.py).
-      o, _ = kda_context_parallel(q, k, v, g, beta, axis=self.context_axis,
-                                  **op_kw)
+      b_axes, h_axes = self.mesh_axes.split_axes(mesh_utils.resolve_mesh(),
+                                                 b, h)
+      o, _ = kda_context_parallel(q, k, v, g, beta,
+                                  axis=self.mesh_axes.context,
+                                  batch_axes=b_axes, head_axes=h_axes, **op_kw)
     else:
       o, _ = kda_op(q, k, v, g, beta, **op_kw)
 

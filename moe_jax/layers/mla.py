@@ -48,7 +48,8 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 class GatedMLA(nn.Module):
   """Causal gated MLA over [B, T, D].
 
-  Attributes mirror config.model.mla; d_model is the model width.
+  Attributes mirror config.model.mla; d_model is the model width;
+  mesh_axes are the mesh axes from the run's rules (mesh_utils.mesh_axes).
   """
   d_model: int
   num_heads: int
@@ -61,7 +62,7 @@ class GatedMLA(nn.Module):
   attention_impl: str = "auto"
   norm_eps: float = 1e-6
   out_init_scale: float = 1.0
-  context_axis: str = "context"
+  mesh_axes: mesh_utils.MeshAxes = mesh_utils.MeshAxes()
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
 
@@ -75,7 +76,7 @@ class GatedMLA(nn.Module):
       T_max = T when absent (moe_jax/decode.py builds it for a given T_max).
     new_sequence (with decode): the tokens start a new sequence at position
       0 of the cache, whatever it held.
-    When the ambient mesh (jax.set_mesh) has a `context_axis` of size > 1
+    When the ambient mesh (jax.set_mesh) has the context axis of size > 1
     dividing T, the attention runs context-parallel (context_attention.py):
     each device gathers the latent c_kv of the whole sequence. Otherwise
     (no mesh, size 1) the plain path below, unchanged.
@@ -102,7 +103,7 @@ class GatedMLA(nn.Module):
     # Latent keys/values: only c_kv (and the rotary key) would be cached.
     c_kv = RMSNorm(self.norm_eps, name="kv_norm")(
         dense(self.kv_lora_rank, "kv_down", ("embed", None))(x))
-    n_ctx = mesh_utils.axis_size(self.context_axis)
+    n_ctx = mesh_utils.axis_size(self.mesh_axes.context)
     if decode:
       o = self._cached_attention(x, q, c_kv, dense, new_sequence)
     elif n_ctx > 1 and t % n_ctx == 0:
@@ -136,9 +137,12 @@ class GatedMLA(nn.Module):
       q_rope = apply_rope(q[..., dn:], positions, self.rope_theta)
       q = jnp.concatenate([q[..., :dn], q_rope], axis=-1)
     impl = None if self.attention_impl == "auto" else self.attention_impl
+    b_axes, h_axes = self.mesh_axes.split_axes(mesh_utils.resolve_mesh(), b,
+                                               h)
     o = context_parallel_latent_attention(
         q, c_kv, w_uk, w_uv, k_rope, scale=(dn + dr) ** -0.5,
-        axis=self.context_axis, dtype=self.dtype, implementation=impl)
+        axis=self.mesh_axes.context, dtype=self.dtype, implementation=impl,
+        batch_axes=b_axes, head_axes=h_axes)
     return o.reshape(b, t, h * dv)
 
   def _cached_attention(self, x, q, c_kv, dense, new_sequence):

@@ -88,11 +88,12 @@ class MoE(nn.Module):
     grouped_matmul: the ragged dispatch's grouped products, one of
       expert_parallel.GROUPED_MATMULS ("auto": the Pallas kernels on a GPU,
       jax.lax.ragged_dot elsewhere).
-    expert_axis: mesh axis for expert parallelism: when the ambient mesh
-      (jax.set_mesh) has it with size > 1 dividing num_experts and the tokens
-      (and dispatch == "ragged"), the routed experts run split over it with
-      an all-to-all token dispatch (expert_parallel.py). Otherwise, and
-      without a mesh, the single-device dispatch.
+    mesh_axes: the mesh axes from the run's rules (mesh_utils.mesh_axes).
+      When the ambient mesh (jax.set_mesh) has its expert axis with size > 1
+      dividing num_experts and the tokens (and dispatch == "ragged"), the
+      routed experts run split over it with an all-to-all token dispatch
+      (expert_parallel.py), tokens split over its batch and context axes.
+      Otherwise, and without a mesh, the single-device dispatch.
     ep_capacity_factor: None = dropless expert-parallel dispatch (default);
       c > 0 caps the rows per destination device at ceil(c n k / P) and
       drops the rest (an option, never the default).
@@ -116,7 +117,7 @@ class MoE(nn.Module):
   expert_latent_dim: int = 0
   dispatch: str = "ragged"
   grouped_matmul: str = "auto"
-  expert_axis: str = "expert"
+  mesh_axes: mesh_utils.MeshAxes = mesh_utils.MeshAxes()
   ep_capacity_factor: float | None = None
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
@@ -162,17 +163,18 @@ class MoE(nn.Module):
     w_gate, w_up, w_down = (
         p.astype(self.dtype) for p in (w_gate, w_up, w_down))
 
-    n_ep = mesh_utils.axis_size(self.expert_axis)
+    ax = self.mesh_axes
+    n_ep = mesh_utils.axis_size(ax.expert)
     if (self.dispatch == "ragged" and n_ep > 1 and e % n_ep == 0
-        and token_axes(mesh_utils.resolve_mesh(), lead,
-                       self.expert_axis) is not None):
+        and token_axes(mesh_utils.resolve_mesh(), lead, ax.expert, ax.batch,
+                       ax.context) is not None):
       # Expert parallel: experts split over the axis, tokens all-to-all'd
       # to them (expert_parallel.py); routing above is unchanged (global).
       y = expert_parallel_experts(
           x_experts.reshape(*lead, d_in), idx.reshape(*lead, -1),
           w.reshape(*lead, -1), w_gate, w_up, w_down,
-          expert_axis=self.expert_axis,
-          capacity_factor=self.ep_capacity_factor,
+          expert_axis=ax.expert, batch_axes=ax.batch,
+          context_axis=ax.context, capacity_factor=self.ep_capacity_factor,
           matmul=self.grouped_matmul).reshape(-1, d_in)
     elif self.dispatch == "ragged":
       y = _ragged_experts(x_experts, idx, w, w_gate, w_up, w_down,

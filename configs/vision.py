@@ -14,7 +14,9 @@ Baseline that sees the question but not the image (images zeroed):
 Variants: vit (a 2-block ViT encoder instead of the linear patch embedding),
 captions (adds 'describe the image.' examples; longer sequences), folder
 (your own images: --config.data.vision.folder=DIR with DIR/captions.txt),
-tiny and smoke (tests, notebooks).
+gpu (one GPU: d_model 256, 8 layers, bf16), tiny and smoke (tests,
+notebooks).
+  python -m experiments.train --config=configs/vision.py:gpu --workdir=runs/vision_gpu
 """
 from moe_jax.config_base import apply_variant, base_config, setter
 
@@ -37,6 +39,20 @@ VARIANTS = {
                       "model.moe.d_expert": 32, "model.moe.d_shared": 32,
                       "model.vision.width": 16, "model.vision.mlp_dim": 32,
                       "model.vision.num_layers": 1}),
+    # One GPU: d_model 256, 8 layers, bf16, 64 sequences per step.
+    "gpu": setter(**{"model.d_model": 256, "model.num_layers": 8,
+                     "model.dtype": "bfloat16", "model.kda.num_heads": 2,
+                     "model.kda.decay_rank": 32, "model.kda.gate_rank": 32,
+                     "model.mla.num_heads": 4, "model.mla.kv_lora_rank": 128,
+                     "model.mla.qk_nope_head_dim": 64,
+                     "model.mla.v_head_dim": 64, "model.moe.num_experts": 32,
+                     "model.moe.d_expert": 128, "model.moe.d_shared": 256,
+                     "model.vision.width": 128, "model.vision.mlp_dim": 256,
+                     "data.batch_size": 64, "data.vision.eval_examples": 1024,
+                     "train.steps": 3000, "train.learning_rate": 2e-3,
+                     "train.warmup_steps": 100, "train.log_every": 100,
+                     "train.eval_every": 1000, "train.eval_batches": 16,
+                     "train.checkpoint_every": 3000}),
     "smoke": setter(**{"train.steps": 4, "train.warmup_steps": 1,
                        "train.log_every": 2, "train.eval_every": 4,
                        "train.checkpoint_every": 4, "train.eval_batches": 2,

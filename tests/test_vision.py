@@ -182,7 +182,7 @@ def test_later_image_never_changes_earlier_logits(vision_model):
 
 
 def test_vision_off_text_path_is_unchanged(vision_model):
-  config, _, _, params, router_state, apply = vision_model
+  config, model, _, params, router_state, apply = vision_model
   rng = np.random.default_rng(4)
   text = jnp.asarray(rng.integers(0, 256, (2, 48)), jnp.int32)
   off_cfg = config.model.to_dict()
@@ -193,15 +193,13 @@ def test_vision_off_text_path_is_unchanged(vision_model):
   assert "vision" not in shapes["params"]
   assert (jax.tree.structure(nn.meta.unbox(shapes["params"])) ==
           jax.tree.structure(text_params))
-  text_only = np.asarray(jax.jit(lambda p, t: off.apply(
-      {"params": p, "router_state": router_state}, t))(text_params, text))
-  # The vision model without images runs the text model's computation.
-  np.testing.assert_array_equal(
-      np.asarray(jax.jit(lambda p, t: HybridLM(config.model).apply(
-          {"params": p, "router_state": router_state}, t))(text_params,
-                                                            text)),
-      text_only)
+  # Without images the vision model runs exactly the text model's program.
+  run = lambda m: lambda p, t: m.apply(
+      {"params": p, "router_state": router_state}, t)
+  assert (str(jax.make_jaxpr(run(model))(text_params, text)) ==
+          str(jax.make_jaxpr(run(off))(text_params, text)))
   # Images with no placeholder in the row change nothing.
+  text_only = np.asarray(jax.jit(run(off))(text_params, text))
   images = jnp.asarray(rng.integers(0, 256, (2, 2, S, S, 3)), jnp.uint8)
   np.testing.assert_allclose(np.asarray(apply(params, text, images)),
                              text_only, rtol=0, atol=1e-6)
@@ -298,3 +296,23 @@ def test_vision_data_needs_an_encoder_and_names_agree():
     validate_config(config)
   assert config_validation.VISION_VOCAB_SIZE == vd.VOCAB_SIZE
   assert config_validation.VISION_QUESTION_TYPES == vd.QUESTION_TYPES
+
+
+def test_training_loop_and_notebook_on_a_tiny_run(tmp_path, monkeypatch):
+  """experiments/train.py's loop on image-text batches (text rows mixed in),
+  held-out accuracy per question type, then notebooks/05_vision.ipynb."""
+  from conftest import execute_notebook
+  from moe_jax.train.loop import train_and_evaluate
+  config = load_config("vision.py", "tiny,smoke")
+  config.data.vision.text_fraction = 0.5
+  result = train_and_evaluate(config, str(tmp_path))
+  assert result["step"] == config.train.steps
+  assert np.isfinite(result["loss"]) and np.isfinite(result["val_loss"])
+  for q in config.data.vision.question_types.split(","):
+    assert 0.0 <= result[f"acc/{q}"] <= 1.0
+    assert result[f"chance/{q}"] == vd.chance_accuracy(q) > 0
+  monkeypatch.setenv("MOE_JAX_WORKDIR", str(tmp_path))
+  monkeypatch.setenv("MOE_JAX_BASELINE_WORKDIR", str(tmp_path / "none"))
+  _, outputs = execute_notebook("05_vision.ipynb")
+  assert (tmp_path / "vision_examples.png").exists()
+  assert "restored step 4" in outputs and "chance" in outputs

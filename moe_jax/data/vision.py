@@ -263,16 +263,21 @@ def patches_per_image(image_size: int, patch_size: int) -> int:
   return (image_size // patch_size) ** 2
 
 
+def prompt_ids(example: Example, patches: int) -> list[int]:
+  """The token ids before the answer: BOS, the images, the prompt."""
+  ids = [BOS]
+  for _ in range(example.images.shape[0]):
+    ids += [BOI] + [IMAGE_TOKEN] * patches + [EOI]
+  return ids + list(example.prompt.encode())
+
+
 def encode_example(example: Example, seq_len: int,
                    patches: int) -> tuple[np.ndarray, np.ndarray]:
   """(tokens int32 [seq_len + 1], loss_mask float32 [seq_len]).
 
   Raises ValueError when the example does not fit in seq_len + 1 tokens.
   """
-  ids = [BOS]
-  for _ in range(example.images.shape[0]):
-    ids += [BOI] + [IMAGE_TOKEN] * patches + [EOI]
-  ids += list(example.prompt.encode())
+  ids = prompt_ids(example, patches)
   start = len(ids)  # first answer token
   ids += list(example.answer.encode()) + [EOS]
   if len(ids) > seq_len + 1:

@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_jax.data.vision import QUESTION_TYPES, chance_accuracy
+from moe_jax.data.stdlib_corpus import EOS, PAD
+from moe_jax.data.vision import QUESTION_TYPES, chance_accuracy, prompt_ids
 from moe_jax.eval.step import apply_model
 
 
@@ -61,3 +62,44 @@ def answer_accuracy(answer_step: Callable, params, router_state,
   if total.sum():
     out[f"{prefix}/all"] = float(right.sum() / total.sum())
   return out
+
+
+def greedy_answers(model: nn.Module, params, router_state, examples,
+                   seq_len: int, patches: int, max_len: int = 48,
+                   blank_images: bool = False) -> list[str]:
+  """The model's greedy answers to examples (text up to its EOS).
+
+  Re-runs the full forward for every new token (one compile for the
+  [n, seq_len] shape): simple, and enough for a few examples.
+  """
+  n = len(examples)
+  tokens = np.full((n, seq_len), PAD, np.int32)
+  length = np.zeros(n, np.int64)
+  for i, e in enumerate(examples):
+    ids = prompt_ids(e, patches)
+    tokens[i, :len(ids)] = ids
+    length[i] = len(ids)
+  images = np.stack([e.images for e in examples])
+  if blank_images:
+    images = np.zeros_like(images)
+  forward = jax.jit(lambda t, im: model.apply(
+      {"params": params, "router_state": router_state}, t, images=im))
+  done = np.zeros(n, bool)
+  answers = [[] for _ in range(n)]
+  for _ in range(max_len):
+    logits = np.asarray(forward(tokens, images))
+    for i in range(n):
+      if done[i] or length[i] >= seq_len:
+        done[i] = True
+        continue
+      nxt = int(np.argmax(logits[i, length[i] - 1]))
+      if nxt == EOS:
+        done[i] = True
+        continue
+      tokens[i, length[i]] = nxt
+      answers[i].append(nxt)
+      length[i] += 1
+    if done.all():
+      break
+  return [bytes(t for t in a if t < 256).decode("utf-8", "replace")
+          for a in answers]

@@ -90,6 +90,11 @@ _FONT = {
 }
 
 
+# Training draws example s * batch_size + r at step s; evaluation of training
+# compositions uses indices from here on (never reached by a run).
+SEEN_OFFSET = 1 << 40
+
+
 class VisionDataError(ValueError):
   """A user image folder, its captions file or an image is unusable."""
 
@@ -488,6 +493,16 @@ class VisionData:
     types = self.question_types
     return [self.example("heldout", i // len(types), types[i % len(types)])
             for i in range(n)]
+
+  def seen_examples(self, n: int | None = None) -> list[Example]:
+    """n in-distribution examples (training compositions) that no training
+    step draws (indices from SEEN_OFFSET): perception vs composition."""
+    n = self.eval_examples if n is None else n
+    types = self.question_types
+    if self.folder_examples is not None:
+      return self.folder_examples["train"][:n]
+    return [self.example("train", SEEN_OFFSET + i // len(types),
+                         types[i % len(types)]) for i in range(n)]
 
   def eval_batches(self, max_batches: int | None = None,
                    process_index: int = 0, process_count: int = 1,

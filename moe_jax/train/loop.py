@@ -278,9 +278,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
           max_batches=tcfg.eval_batches, process_index=jax.process_index(),
           process_count=jax.process_count()))
     ev = evaluate(eval_step, state.params, state.router_state, batches())
-    if vision is not None:  # held-out answer accuracy per question type
+    if vision is not None:  # answer accuracy per question type
       ev.update(answer_accuracy(answer_step, state.params,
                                 state.router_state, batches()))
+      seen = map(global_batch, vision.eval_batches(
+          tcfg.eval_batches, jax.process_index(), jax.process_count(),
+          examples=vision.seen_examples()))
+      ev.update(answer_accuracy(answer_step, state.params,
+                                state.router_state, seen, prefix="acc_seen"))
     loads = ev.pop("_loads")
     ev["unigram_bpb"] = unigram_bpb
     ev["val_bpb_over_unigram"] = ev["val_bpb"] / unigram_bpb

@@ -355,6 +355,9 @@ STATE_SHAPE_FIELDS = frozenset({
     "model.moe.first_dense_layers", "model.moe.d_dense",
     # > 1 adds the QB window's statistics to router_state.
     "model.moe.qb_update_every",
+    "model.vision.encoder", "model.vision.image_size",
+    "model.vision.patch_size", "model.vision.width",
+    "model.vision.num_layers", "model.vision.mlp_dim",
 })
 
 # Fields that change only how or where the same state is computed, or what

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from conftest import load_config, set_field
 from moe_jax import config_validation
@@ -13,6 +14,7 @@ from moe_jax.data import vision as vd
 from moe_jax.eval.step import cross_entropy
 from moe_jax.eval.vision import answers_right
 from moe_jax.layers.vision import patchify, place_image_tokens, unpatchify
+from moe_jax import sharding
 from moe_jax.model import HybridLM, build_model
 
 S, P_SIZE = 32, 8
@@ -159,6 +161,15 @@ def test_vision_model_shapes_and_params_have_logical_axes(vision_model):
     assert isinstance(leaf, nn.LogicallyPartitioned)
     assert len(leaf.names) == leaf.value.ndim
   assert {"embed", "mlp"} <= {n for leaf in boxed for n in leaf.names}
+  # The default rules shard them like the rest: embed over fsdp, mlp and
+  # heads over tensor.
+  mesh_cfg = config.mesh.copy_and_resolve_references()
+  mesh_cfg.num_devices, mesh_cfg.fsdp, mesh_cfg.tensor = 4, 2, 2
+  specs = sharding.param_shardings(shapes["params"]["vision"],
+                                   sharding.make_mesh(mesh_cfg), None)
+  assert specs["patch_embed"]["kernel"].spec == P(None, "fsdp")
+  assert specs["proj_in"]["kernel"].spec == P("fsdp", "tensor")
+  assert specs["vit_0"]["qkv"]["kernel"].spec == P("fsdp", "tensor")
 
 
 def test_later_image_never_changes_earlier_logits(vision_model):

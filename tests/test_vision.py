@@ -192,6 +192,22 @@ def test_later_image_never_changes_earlier_logits(vision_model):
   assert not np.allclose(out[:, 25:], base[:, 25:])
 
 
+def test_prefill_with_images_matches_the_training_forward(vision_model):
+  """Decoding reads images in the prompt: moe_jax.decode.prefill."""
+  from moe_jax import decode
+  _, model, _, params, router_state, apply = vision_model
+  rng = np.random.default_rng(5)
+  tokens = jnp.asarray(_interleaved_tokens(rng))
+  images = jnp.asarray(rng.integers(0, 256, (2, 2, S, S, 3)), jnp.uint8)
+  cache = decode.init_cache(model, params, router_state, 2, 48)
+  logits, _ = jax.jit(lambda c, t, im: decode.prefill(
+      model, params, router_state, c, t, new_sequence=True, images=im))(
+          cache, tokens, images)
+  np.testing.assert_allclose(np.asarray(logits),
+                             np.asarray(apply(params, tokens, images)),
+                             rtol=1e-4, atol=1e-4)
+
+
 def test_vision_off_text_path_is_unchanged(vision_model):
   config, model, _, params, router_state, apply = vision_model
   rng = np.random.default_rng(4)

@@ -102,7 +102,7 @@ def final_line(result: dict) -> str:
   """The one-line summary printed at the end (process 0)."""
   parts = [f"step={result['step']}"]
   for k in ("loss", "val_loss", "val_bpb", "unigram_bpb",
-            "val_bpb_over_unigram"):
+            "val_bpb_over_unigram", "acc/all"):
     if k in result:
       parts.append(f"{k}={result[k]:.4f}")
   notes = []

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from moe_jax.data.vision import IMAGE_TOKEN
 from moe_jax.layers.attn_res import AttnResMix, BlockAttnResState
 from moe_jax.layers.kda import KDA
 from moe_jax.layers.mla import GatedMLA
@@ -29,7 +30,6 @@ from moe_jax.layers.moe import MoE, SwiGLU
 from moe_jax.layers.norms import RMSNorm
 from moe_jax.layers.param_axes import DEFAULT_KERNEL_INIT, with_axes
 from moe_jax.layers.vision import VisionEncoder, place_image_tokens
-from moe_jax.data.vision import IMAGE_TOKEN
 from moe_jax.sharding import HIDDEN_AXES, LOGITS_AXES, constrain
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}

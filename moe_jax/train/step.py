@@ -164,6 +164,10 @@ def make_grad_fn(model: nn.Module, moe_cfg, microbatches: int = 1
   running q+1 smallest per expert, so qb_target is the exact order statistic
   of the whole batch, not a mean of per-microbatch targets. Grads accumulate
   in fp32 and come back in the param dtype.
+
+  batch["loss_mask"] [B, T] (optional): the cross-entropy is the mean over
+  the masked-in tokens (of each microbatch); batch["images"] (optional) go
+  to the model with the tokens.
   """
   exact_qb = moe_cfg.balancing == "qb" and moe_cfg.qb_estimator == "exact"
 

@@ -488,8 +488,8 @@ class VisionData:
   def heldout_examples(self, n: int | None = None) -> list[Example]:
     """The first n held-out examples, question types in turn."""
     n = self.eval_examples if n is None else n
-    if self.folder_examples is not None:
-      n = min(n, len(self.folder_examples["heldout"]))
+    if self.folder_examples is not None:  # at least one batch, cycling
+      n = max(min(n, len(self.folder_examples["heldout"])), self.batch_size)
     types = self.question_types
     return [self.example("heldout", i // len(types), types[i % len(types)])
             for i in range(n)]

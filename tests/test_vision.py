@@ -343,3 +343,25 @@ def test_training_loop_and_notebook_on_a_tiny_run(tmp_path, monkeypatch):
   _, outputs = execute_notebook("05_vision.ipynb")
   assert (tmp_path / "vision_examples.png").exists()
   assert "restored step 4" in outputs and "chance" in outputs
+
+
+def test_training_batches_mix_text_rows_by_the_configured_ratio():
+  config = load_config("vision.py", "tiny,smoke")
+  config.data.batch_size, config.data.vision.text_fraction = 16, 0.25
+  data = vd.VisionData(config.data, S, P_SIZE, seed=1)
+  batches = [data.train.batch_at(s) for s in range(8)]
+  again = data.train.batch_at(3)
+  for key in batches[3]:
+    np.testing.assert_array_equal(again[key], batches[3][key])  # pure
+  n_text = 0
+  for b in batches:
+    is_image = (b["inputs"] == vd.IMAGE_TOKEN).any(1)
+    text = ~is_image
+    n_text += text.sum()
+    assert (b["loss_mask"][text] == 1).all()        # loss on every byte
+    assert not b["images"][text].any()               # no image
+    assert (b["inputs"][is_image] == vd.IMAGE_TOKEN).sum(1).tolist() == [
+        PATCHES] * is_image.sum()
+    assert (b["loss_mask"][is_image].sum(1) >= 2).all()  # answer + EOS
+    assert b["images"][is_image].reshape(is_image.sum(), -1).any(1).all()
+  assert 0.1 < n_text / (8 * 16) < 0.4

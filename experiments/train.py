@@ -29,6 +29,7 @@ from ml_collections import config_flags
 
 from moe_jax.config_validation import ConfigError, validate_config
 from moe_jax.data import TokenFileError
+from moe_jax.data.vision import VisionDataError
 from moe_jax.sharding import init_distributed
 from moe_jax.train.checkpoint import CheckpointError
 from moe_jax.train.loop import (EXIT_PREEMPTED, NonFiniteError, WorkdirError,
@@ -58,7 +59,7 @@ _PROCESS_ID = flags.DEFINE_integer(
 
 # Errors whose message says all there is to say: printed without traceback.
 _USER_ERRORS = (ConfigError, CheckpointError, NonFiniteError, WorkdirError,
-                TokenFileError)
+                TokenFileError, VisionDataError)
 
 
 class _QuietLibraries(logging_std.Filter):
@@ -102,7 +103,7 @@ def final_line(result: dict) -> str:
   """The one-line summary printed at the end (process 0)."""
   parts = [f"step={result['step']}"]
   for k in ("loss", "val_loss", "val_bpb", "unigram_bpb",
-            "val_bpb_over_unigram"):
+            "val_bpb_over_unigram", "acc/all"):
     if k in result:
       parts.append(f"{k}={result[k]:.4f}")
   notes = []

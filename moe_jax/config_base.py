@@ -46,6 +46,16 @@ def base_config() -> ml_collections.ConfigDict:
   m.attn_res_layers_per_block = 2  # sublayers per AttnRes block (1 = full AttnRes)
   m.remat = "none"              # none | sublayer | dots (moe_jax.model.REMAT_POLICIES)
 
+  # Vision front end (moe_jax/layers/vision.py); 'none' = text only.
+  vis = m.vision = ml_collections.ConfigDict()
+  vis.encoder = "none"          # none | linear | vit
+  vis.image_size = 32           # S: images are [S, S, 3]
+  vis.patch_size = 8            # p, divides S; (S/p)^2 tokens per image
+  vis.width = 64                # encoder width
+  vis.num_layers = 2            # vit blocks
+  vis.num_heads = 2             # vit heads, divide width
+  vis.mlp_dim = 128             # vit MLP hidden width
+
   kda = m.kda = ml_collections.ConfigDict()
   kda.num_heads = 2             # head_dim = d_model // num_heads (K = V)
   kda.decay = "bounded"         # bounded: g = g_min*sigmoid(..); unbounded: -a*softplus(..)
@@ -100,7 +110,7 @@ def base_config() -> ml_collections.ConfigDict:
 
   # ----- data -----
   d = c.data = ml_collections.ConfigDict()
-  d.source = "stdlib"           # stdlib | token_file
+  d.source = "stdlib"           # stdlib | token_file | vision
   d.path = ""                   # token_file: flat binary file of token ids
   d.val_path = ""               # token_file: optional separate validation file
   d.token_dtype = "uint16"      # uint16 | uint32
@@ -108,6 +118,14 @@ def base_config() -> ml_collections.ConfigDict:
   d.max_bytes = 0               # 0 = the whole corpus
   d.seq_len = 128
   d.batch_size = 16             # global batch, sequences per step
+  # data.source='vision' (moe_jax/data/vision.py): image-text examples.
+  dv = d.vision = ml_collections.ConfigDict()
+  dv.source = "shapes"          # shapes (generated scenes) | folder
+  dv.folder = ""                # folder: images + captions.txt
+  dv.question_types = "count,colour,position,larger,digit,caption"
+  dv.text_fraction = 0.25       # rows that are text-only corpus windows
+  dv.blank_images = False       # True: every image zero (text-only baseline)
+  dv.eval_examples = 512        # held-out examples evaluated
 
   # ----- optimisation -----
   t = c.train = ml_collections.ConfigDict()

@@ -202,7 +202,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   _float_range(config, "model.moe.aux_loss_coef", 0.0)
 
   # Data.
-  _one_of(config, "data.source", ("stdlib", "token_file"))
+  _one_of(config, "data.source", ("stdlib", "token_file", "vision"))
+  validate_vision_config(config)
   if config.data.source == "token_file" and not config.data.path:
     raise ConfigError(
         "data.path must name a flat binary file of token ids when "
@@ -237,6 +238,56 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
 
 
 MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
+
+
+# moe_jax.data.vision's names (a test keeps them equal, so that validation
+# does not import the data package).
+VISION_VOCAB_SIZE = 262
+VISION_QUESTION_TYPES = ("count", "colour", "position", "larger", "digit",
+                         "caption")
+
+
+def validate_vision_config(config: ml_collections.ConfigDict) -> None:
+  """model.vision and, with data.source='vision', data.vision."""
+  if "vision" not in config.model:
+    return
+  _one_of(config, "model.vision.encoder", ("none", "linear", "vit"))
+  vision_data = config.data.source == "vision"
+  if config.model.vision.encoder == "none":
+    if vision_data:
+      raise ConfigError(
+          "data.source='vision' needs model.vision.encoder 'linear' or 'vit', "
+          "got 'none'")
+    return
+  for field in ("image_size", "patch_size", "width", "num_layers",
+                "num_heads", "mlp_dim"):
+    _int_range(config, f"model.vision.{field}", 1)
+  _divides(config, "model.vision.patch_size", "model.vision.image_size")
+  _divides(config, "model.vision.num_heads", "model.vision.width")
+  if config.model.vocab_size < VISION_VOCAB_SIZE:
+    raise ConfigError(
+        f"model.vocab_size must be >= {VISION_VOCAB_SIZE} (bytes, PAD, BOS, "
+        "EOS and the image specials BOI, EOI, IMAGE) with model.vision."
+        f"encoder={config.model.vision.encoder!r}, got "
+        f"{config.model.vocab_size}")
+  if not vision_data:
+    return
+  _one_of(config, "data.vision.source", ("shapes", "folder"))
+  if config.data.vision.source == "folder" and not config.data.vision.folder:
+    raise ConfigError("data.vision.folder must name a folder of images with a "
+                      "captions.txt when data.vision.source='folder', got ''")
+  types = config.data.vision.question_types.split(",")
+  if not types or set(types) - set(VISION_QUESTION_TYPES):
+    raise ConfigError(
+        "data.vision.question_types must be a comma-separated list of "
+        f"{list(VISION_QUESTION_TYPES)}, got "
+        f"{config.data.vision.question_types!r}")
+  _float_range(config, "data.vision.text_fraction", 0.0, 1.0, hi_open=True)
+  _int_range(config, "data.vision.eval_examples", config.data.batch_size)
+  if config.mesh.context != 1:
+    raise ConfigError(
+        "data.source='vision' needs mesh.context=1 (image batches are split "
+        f"over rows only), got {config.mesh.context}")
 
 
 def validate_mesh_config(config: ml_collections.ConfigDict) -> None:
@@ -310,6 +361,9 @@ STATE_SHAPE_FIELDS = frozenset({
     "model.moe.first_dense_layers", "model.moe.d_dense",
     # > 1 adds the QB window's statistics to router_state.
     "model.moe.qb_update_every",
+    "model.vision.encoder", "model.vision.image_size",
+    "model.vision.patch_size", "model.vision.width",
+    "model.vision.num_layers", "model.vision.mlp_dim",
 })
 
 # Fields that change only how or where the same state is computed, or what

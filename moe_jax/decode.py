@@ -55,17 +55,20 @@ def init_cache(model: nn.Module, params: PyTree, router_state: PyTree,
 
 
 def prefill(model: nn.Module, params: PyTree, router_state: PyTree,
-            cache: PyTree, tokens: jax.Array, *, new_sequence: bool = False
-            ) -> tuple[jax.Array, PyTree]:
+            cache: PyTree, tokens: jax.Array, *, new_sequence: bool = False,
+            images: jax.Array | None = None) -> tuple[jax.Array, PyTree]:
   """Runs tokens [B, T] from the cache; (logits fp32 [B, T, V], cache).
 
   new_sequence: the tokens start a new sequence (the cache's contents are
   ignored); its MLA layers then attend with the training path over the T
   tokens instead of scoring them against all T_max cache slots.
+  images: [B, N, H, W, C] for the image placeholders among the tokens
+  (a model with model.vision.encoder set; see HybridLM).
   """
+  kwargs = {} if images is None else {"images": images}
   logits, mutated = model.apply(_variables(params, router_state, cache),
                                 tokens, decode=True, new_sequence=new_sequence,
-                                mutable=[CACHE])
+                                mutable=[CACHE], **kwargs)
   return logits, mutated[CACHE]
 
 
@@ -163,13 +166,13 @@ def check_cache_size(prompt_len: int, max_new_tokens: int,
 @functools.partial(jax.jit, static_argnames=(
     "model", "max_new_tokens", "cache_size"))
 def _generate(model, params, router_state, prompt, rng, temperature, top_k,
-              top_p, *, max_new_tokens, cache_size):
+              top_p, images, *, max_new_tokens, cache_size):
   sample = functools.partial(sample_logits, temperature=temperature,
                              top_k=top_k, top_p=top_p)
   cache = init_cache(model, params, router_state, prompt.shape[0],
                      cache_size)
   logits, cache = prefill(model, params, router_state, cache, prompt,
-                          new_sequence=True)
+                          new_sequence=True, images=images)
   first = sample(logits[:, -1], jax.random.fold_in(rng, 0))
   out = jnp.zeros((prompt.shape[0], max_new_tokens), jnp.int32)
   out = out.at[:, 0].set(first)
@@ -188,7 +191,8 @@ def _generate(model, params, router_state, prompt, rng, temperature, top_k,
 def generate(model: nn.Module, params: PyTree, router_state: PyTree,
              prompt: jax.Array, max_new_tokens: int, rng: jax.Array, *,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-             cache_size: int | None = None) -> jax.Array:
+             cache_size: int | None = None,
+             images: jax.Array | None = None) -> jax.Array:
   """Continues each prompt by max_new_tokens tokens (one jitted program).
 
   Args:
@@ -200,6 +204,8 @@ def generate(model: nn.Module, params: PyTree, router_state: PyTree,
     temperature, top_k, top_p: see `sample_logits` (0.0 = greedy); traced,
       so new settings reuse the compiled program.
     cache_size: T_max of the fixed-size cache; default P + N - 1.
+    images: [B, N_img, H, W, C] placed at the prompt's image placeholders
+      (model.vision.encoder set); None for text.
   Returns:
     int32 [B, N]: the new tokens.
   """
@@ -215,5 +221,5 @@ def generate(model: nn.Module, params: PyTree, router_state: PyTree,
   # Traced: changing the sampling settings does not recompile.
   return _generate(model, params, router_state, prompt, rng,
                    jnp.float32(temperature), jnp.int32(top_k),
-                   jnp.float32(top_p), max_new_tokens=max_new_tokens,
+                   jnp.float32(top_p), images, max_new_tokens=max_new_tokens,
                    cache_size=cache_size)

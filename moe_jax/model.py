@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from moe_jax.balancing import QB_HIST_SCALE
+from moe_jax.data.vision import IMAGE_TOKEN
 from moe_jax.layers import mesh_utils
 from moe_jax.layers.attn_res import AttnResMix, BlockAttnResState
 from moe_jax.layers.kda import KDA
@@ -30,6 +31,7 @@ from moe_jax.layers.mla import GatedMLA
 from moe_jax.layers.moe import MoE, SwiGLU
 from moe_jax.layers.norms import RMSNorm
 from moe_jax.layers.param_axes import DEFAULT_KERNEL_INIT, with_axes
+from moe_jax.layers.vision import VisionEncoder, place_image_tokens
 from moe_jax.sharding import HIDDEN_AXES, LOGITS_AXES, constrain
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -123,9 +125,32 @@ class HybridLM(nn.Module):
         grouped_matmul=e.grouped_matmul, mesh_axes=self._mesh_axes(),
         dtype=dtype, param_dtype=pdtype, name=f"layer_{i}_moe")
 
+  def _with_images(self, x: jax.Array, tokens: jax.Array,
+                   images: jax.Array | None) -> jax.Array:
+    """x with the image placeholders' embeddings replaced by patches.
+
+    Unchanged without a vision encoder; an init without images still
+    creates the encoder's params (from a blank image).
+    """
+    v = self.cfg.get("vision")
+    if v is None or v.encoder == "none":
+      return x
+    if images is None:
+      if not self.is_initializing():
+        return x
+      images = jnp.zeros((x.shape[0], 1, v.image_size, v.image_size, 3))
+    c = self.cfg
+    patches = VisionEncoder(
+        d_model=c.d_model, encoder=v.encoder, patch_size=v.patch_size,
+        width=v.width, num_layers=v.num_layers, num_heads=v.num_heads,
+        mlp_dim=v.mlp_dim, norm_eps=c.norm_eps, dtype=_DTYPES[c.dtype],
+        param_dtype=_DTYPES[c.param_dtype], name="vision")(images)
+    return place_image_tokens(x, tokens, patches, IMAGE_TOKEN)
+
   @nn.compact
   def __call__(self, tokens: jax.Array, decode: bool = False,
-               new_sequence: bool = False) -> jax.Array:
+               new_sequence: bool = False,
+               images: jax.Array | None = None) -> jax.Array:
     """tokens: int [B, T] -> logits fp32 [B, T, vocab_size].
 
     decode: the tokens continue the sequence held in the `cache` collection
@@ -135,6 +160,10 @@ class HybridLM(nn.Module):
     new_sequence (with decode): the tokens start a new sequence in the
       cache (KDA from zero states, MLA over these tokens only, with the
       training attention).
+    images: [B, N, H, W, C] (uint8, or float in [0, 1]) with
+      model.vision.encoder set: the embeddings at IMAGE_TOKEN placeholders
+      become the images' projected patches, in order
+      (moe_jax/layers/vision.py). None: text only.
     """
     c = self.cfg
     dtype = _DTYPES[c.dtype]
@@ -152,6 +181,7 @@ class HybridLM(nn.Module):
                   precision=jax.lax.Precision.HIGHEST)
     else:
       x = embed(tokens)
+    x = self._with_images(x, tokens, images)
     # Batch over the data axes, sequence over 'context', from here on.
     x = constrain(x, HIDDEN_AXES, self.rules)
 

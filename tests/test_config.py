@@ -42,7 +42,7 @@ def test_unknown_variant_names_allowed_ones():
     ("model.moe.expert_latent_dim", 65, r"model\.moe\.expert_latent_dim must "
      r"be in \[0, 64\]"),
     ("data.source", "web", r"data\.source must be one of \['stdlib', "
-     r"'token_file'\]"),
+     r"'token_file', 'vision'\]"),
     ("train.warmup_steps", 10_000, r"train\.warmup_steps must be in"),
 ])
 def test_bad_values_name_field_and_allowed(field, value, pattern):
@@ -117,6 +117,13 @@ _OTHER_VALUES = {
     "model.moe.qb_window_steps": (2, {"model.moe.qb_estimator": "histogram",
                                       "model.moe.qb_update_every": 2}),
     "model.remat": ("sublayer", {}),
+    "model.vision.encoder": ("linear", {}),
+    "model.vision.image_size": (16, {"model.vision.encoder": "linear"}),
+    "model.vision.patch_size": (4, {"model.vision.encoder": "linear"}),
+    "model.vision.width": (32, {"model.vision.encoder": "linear"}),
+    "model.vision.num_layers": (1, {"model.vision.encoder": "vit"}),
+    "model.vision.num_heads": (4, {"model.vision.encoder": "vit"}),
+    "model.vision.mlp_dim": (64, {"model.vision.encoder": "vit"}),
     "model.moe.qb_ema": (0.5, {}), "model.moe.qb_estimator": (
         "histogram", {}), "model.moe.qb_bins": (64, {}),
     "model.moe.qb_range": (2.0, {}), "model.moe.sign_rate": (1e-2, {}),

@@ -8,6 +8,7 @@ from typing import Callable
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import optax
 
 from moe_jax.balancing import STATS_COLLECTION, collect_loads
@@ -18,9 +19,25 @@ def token_cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
   return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-  """Mean token cross-entropy in nats. logits [B,T,V] fp32, targets [B,T]."""
-  return token_cross_entropy(logits, targets).mean()
+def cross_entropy(logits: jax.Array, targets: jax.Array,
+                  loss_mask: jax.Array | None = None) -> jax.Array:
+  """Mean token cross-entropy in nats. logits [B,T,V] fp32, targets [B,T].
+
+  loss_mask [B,T] (1 = counted, 0 = not; e.g. image tokens and prompts):
+  the mean over the counted tokens. None counts every token.
+  """
+  ce = token_cross_entropy(logits, targets)
+  if loss_mask is None:
+    return ce.mean()
+  mask = loss_mask.astype(ce.dtype)
+  return (ce * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+
+
+def apply_model(model: nn.Module, variables, batch: dict, **kwargs):
+  """model.apply on batch["inputs"], with batch["images"] when it has any."""
+  if "images" in batch:
+    kwargs["images"] = batch["images"]
+  return model.apply(variables, batch["inputs"], **kwargs)
 
 
 def layer_label(path: str) -> str:
@@ -31,15 +48,21 @@ def layer_label(path: str) -> str:
 def make_eval_step(model: nn.Module) -> Callable:
   """eval_step(params, router_state, batch) -> (sum of CE nats, count, loads).
 
+  With batch["loss_mask"] only the masked-in tokens are summed and counted.
+
   loads: {module path: load [E]} of every router (`collect_loads`); the
   router bias is read, never updated.
   """
 
   def eval_step(params, router_state, batch):
-    logits, mutated = model.apply(
-        {"params": params, "router_state": router_state}, batch["inputs"],
+    logits, mutated = apply_model(
+        model, {"params": params, "router_state": router_state}, batch,
         mutable=[STATS_COLLECTION])
     ce = token_cross_entropy(logits, batch["targets"])
-    return ce.sum(), ce.size, collect_loads(mutated.get(STATS_COLLECTION, {}))
+    loads = collect_loads(mutated.get(STATS_COLLECTION, {}))
+    if "loss_mask" in batch:
+      mask = batch["loss_mask"].astype(ce.dtype)
+      return (ce * mask).sum(), mask.sum(), loads
+    return ce.sum(), ce.size, loads
 
   return eval_step

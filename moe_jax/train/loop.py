@@ -24,8 +24,10 @@ from absl import logging
 from moe_jax import sharding
 from moe_jax.config_validation import check_resume_config, validate_config
 from moe_jax.data import eval_batches, make_datasets, unigram_bits_per_byte
+from moe_jax.data.vision import VisionData
 from moe_jax.eval.evaluate import evaluate
 from moe_jax.eval.step import make_eval_step
+from moe_jax.eval.vision import answer_accuracy, make_answer_step
 from moe_jax.model import build_model
 from moe_jax.train.checkpoint import Checkpointer, with_shardings
 from moe_jax.train.metrics import MetricsWriter
@@ -194,13 +196,25 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   is_chief = jax.process_index() == 0
 
   # Data: deterministic and resumable (state = the step counter).
-  train_iter, val_tokens, train_tokens, vocab = make_datasets(
-      dict(config.data.to_dict(), seed=config.seed),
-      process_index=jax.process_index(), process_count=jax.process_count())
-  if vocab > mcfg.vocab_size:
-    raise ValueError(f"model.vocab_size={mcfg.vocab_size} is smaller than the "
-                     f"data's vocabulary ({vocab}); allowed: >= {vocab}")
-  unigram_bpb = unigram_bits_per_byte(train_tokens, val_tokens, vocab)
+  vision = None
+  if config.data.source == "vision":
+    vision = VisionData(config.data, mcfg.vision.image_size,
+                        mcfg.vision.patch_size, config.seed,
+                        jax.process_index(), jax.process_count())
+    train_iter, unigram_bpb = vision.train, vision.unigram_bpb()
+    make_eval_batches = vision.eval_batches
+  else:
+    train_iter, val_tokens, train_tokens, vocab = make_datasets(
+        dict(config.data.to_dict(), seed=config.seed),
+        process_index=jax.process_index(), process_count=jax.process_count())
+    if vocab > mcfg.vocab_size:
+      raise ValueError(f"model.vocab_size={mcfg.vocab_size} is smaller than "
+                       f"the data's vocabulary ({vocab}); allowed: >= {vocab}")
+    unigram_bpb = unigram_bits_per_byte(train_tokens, val_tokens, vocab)
+
+    def make_eval_batches(**kwargs):
+      return eval_batches(val_tokens, config.data.seq_len,
+                          config.data.batch_size, **kwargs)
 
   setup = build_train_step(config)
   mesh, model, tx, rng = setup.mesh, setup.model, setup.tx, setup.rng
@@ -209,13 +223,27 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   logging.info("Mesh %s on %d devices, %d processes", dict(mesh.shape),
                mesh.size, jax.process_count())
   rep = sharding.replicated(mesh)
+  # Per-row leaves (the question types of vision eval batches) by rows only.
+  row_sh = jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec(*batch_sh.spec[:1]))
+  eval_sh = batch_sh if vision is None else {
+      "inputs": batch_sh, "targets": batch_sh, "loss_mask": batch_sh,
+      "images": batch_sh, "qtype": row_sh}
   eval_step = sharding.jit_in_mesh(
       make_eval_step(model), mesh,
-      in_shardings=(state_sh.params, state_sh.router_state, batch_sh),
+      in_shardings=(state_sh.params, state_sh.router_state, eval_sh),
       out_shardings=rep)
+  answer_step = sharding.jit_in_mesh(
+      make_answer_step(model), mesh,
+      in_shardings=(state_sh.params, state_sh.router_state, eval_sh),
+      out_shardings=rep) if vision is not None else None
 
   def global_batch(local: dict) -> dict:
-    return sharding.shard_batch(local, batch_sh, config.data.batch_size)
+    out = {}
+    for key, x in local.items():
+      out.update(sharding.shard_batch({key: x}, row_sh if np.ndim(x) == 1
+                                      else batch_sh, config.data.batch_size))
+    return out
 
   ckpt = Checkpointer(workdir, keep=tcfg.keep_checkpoints)
   # Restored straight into this run's shardings, whatever mesh saved it
@@ -245,11 +273,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   result: dict = {"unigram_bpb": unigram_bpb, "num_params": n_params}
 
   def run_eval(step):
-    batches = map(global_batch, eval_batches(
-        val_tokens, config.data.seq_len, config.data.batch_size,
-        max_batches=tcfg.eval_batches, process_index=jax.process_index(),
-        process_count=jax.process_count()))
-    ev = evaluate(eval_step, state.params, state.router_state, batches)
+    def batches():
+      return map(global_batch, make_eval_batches(
+          max_batches=tcfg.eval_batches, process_index=jax.process_index(),
+          process_count=jax.process_count()))
+    ev = evaluate(eval_step, state.params, state.router_state, batches())
+    if vision is not None:  # answer accuracy per question type
+      ev.update(answer_accuracy(answer_step, state.params,
+                                state.router_state, batches()))
+      seen = map(global_batch, vision.eval_batches(
+          tcfg.eval_batches, jax.process_index(), jax.process_count(),
+          examples=vision.seen_examples()))
+      ev.update(answer_accuracy(answer_step, state.params,
+                                state.router_state, seen, prefix="acc_seen"))
     loads = ev.pop("_loads")
     ev["unigram_bpb"] = unigram_bpb
     ev["val_bpb_over_unigram"] = ev["val_bpb"] / unigram_bpb

@@ -21,7 +21,7 @@ import optax
 
 from moe_jax import balancing, sharding
 from moe_jax.balancing import STATS_COLLECTION, THRESHOLDS_COLLECTION
-from moe_jax.eval.step import cross_entropy, layer_label
+from moe_jax.eval.step import apply_model, cross_entropy, layer_label
 
 PyTree = Any
 LN2 = math.log(2.0)
@@ -170,15 +170,19 @@ def make_grad_fn(model: nn.Module, moe_cfg, microbatches: int = 1
   running q+1 smallest per expert, so qb_target is the exact order statistic
   of the whole batch, not a mean of per-microbatch targets. Grads accumulate
   in fp32 and come back in the param dtype.
+
+  batch["loss_mask"] [B, T] (optional): the cross-entropy is the mean over
+  the masked-in tokens (of each microbatch); batch["images"] (optional) go
+  to the model with the tokens.
   """
   exact_qb = moe_cfg.balancing == "qb" and moe_cfg.qb_estimator == "exact"
 
   def loss_fn(params, router_state, batch, mutable):
-    logits, mutated = model.apply(
-        {"params": params, "router_state": router_state}, batch["inputs"],
+    logits, mutated = apply_model(
+        model, {"params": params, "router_state": router_state}, batch,
         mutable=mutable)
     stats = mutated.get(STATS_COLLECTION, {})
-    ce = cross_entropy(logits, batch["targets"])
+    ce = cross_entropy(logits, batch["targets"], batch.get("loss_mask"))
     aux = balancing.sum_aux_losses(stats)
     return ce + aux, (ce, aux, stats, mutated.get(THRESHOLDS_COLLECTION, {}))
 
@@ -197,9 +201,9 @@ def make_grad_fn(model: nn.Module, moe_cfg, microbatches: int = 1
   def grad_fn(params, router_state, batch):
     mbs = split_microbatches(batch, microbatches)
     # Shapes of the per-token thresholds r [..., N_mb, E] (exact QB only).
-    thr_shape = jax.eval_shape(lambda: model.apply(
-        {"params": params, "router_state": router_state},
-        jax.tree.map(lambda x: x[0], mbs)["inputs"],
+    thr_shape = jax.eval_shape(lambda: apply_model(
+        model, {"params": params, "router_state": router_state},
+        jax.tree.map(lambda x: x[0], mbs),
         mutable=mutable)[1].get(THRESHOLDS_COLLECTION, {}))
 
     smallest0 = jax.tree.map(lambda r: balancing.init_smallest(

@@ -129,6 +129,14 @@ def base_config() -> ml_collections.ConfigDict:
   t.keep_checkpoints = 2
   t.progress_bar = True
 
+  # ----- context curriculum (moe_jax/curriculum.py) -----
+  cu = c.curriculum = ml_collections.ConfigDict()
+  # "seq_len:steps[:batch_size],...", seq_len strictly increasing; the steps
+  # sum to train.steps. "" = one stage of (data.seq_len, train.steps).
+  cu.stages = ""
+  cu.constant_tokens = True     # stage batch * seq_len == data.batch_size * data.seq_len
+  cu.stage_warmup_steps = 0     # LR ramp at each stage after the first (0 = none)
+
   # ----- device mesh (docs/design.md §8; moe_jax.sharding) -----
   me = c.mesh = ml_collections.ConfigDict()
   me.num_devices = -1           # -1 = every device of every process; N =

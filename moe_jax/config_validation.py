@@ -231,6 +231,11 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   _int_range(config, "train.microbatches", 1)
   _divides(config, "train.microbatches", "data.batch_size")
 
+  # Context curriculum (its stages against data.* and train.steps).
+  _one_of(config, "curriculum.constant_tokens", (True, False))
+  from moe_jax.curriculum import stages_of  # pylint: disable=g-import-not-at-top
+  stages_of(config)  # It imports ConfigError from here.
+
   # Device mesh (sizes against the device count: moe_jax.sharding.make_mesh).
   validate_mesh_config(config)
 

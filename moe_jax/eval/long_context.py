@@ -55,15 +55,16 @@ def make_scorer(model: nn.Module, params, router_state) -> Scorer:
   """Teacher-forced per-token cross-entropy and argmax of a model (jitted;
   one compilation per batch shape)."""
 
+  # Params are arguments, not constants folded into the program.
   @jax.jit
-  def score(inputs, targets):
+  def score(params, router_state, inputs, targets):
     logits, _ = model.apply({"params": params, "router_state": router_state},
                             inputs, mutable=[STATS_COLLECTION])
     return (token_cross_entropy(logits, targets),
             jnp.argmax(logits, -1).astype(jnp.int32))
 
   def scorer(inputs, targets):
-    ce, pred = score(jnp.asarray(inputs, jnp.int32),
+    ce, pred = score(params, router_state, jnp.asarray(inputs, jnp.int32),
                      jnp.asarray(targets, jnp.int32))
     return np.asarray(ce), np.asarray(pred)
   return scorer
@@ -186,8 +187,11 @@ def answer_accuracy(scorer: Scorer, sequences: np.ndarray,
     (correct bool [B]: every answer token of the row is the argmax,
      token_correct bool [B, T] per answer token, False elsewhere).
   """
-  _, pred = scorer(sequences[:, :-1], sequences[:, 1:])
-  hit = (pred == sequences[:, 1:]) & answer_mask[:, 1:]
+  # The whole sequence is the input (one shape per length for every task);
+  # the causal model's output at the last token predicts nothing here.
+  targets = np.concatenate([sequences[:, 1:], sequences[:, -1:]], axis=1)
+  _, pred = scorer(sequences, targets)
+  hit = (pred[:, :-1] == sequences[:, 1:]) & answer_mask[:, 1:]
   token_correct = np.concatenate([np.zeros_like(hit[:, :1]), hit], axis=1)
   correct = (token_correct | ~answer_mask).all(axis=1)
   return correct, token_correct

@@ -181,3 +181,12 @@ def test_interrupted_ladder_resumes_mid_stage_like_an_uninterrupted_one(
           for r in read_metrics(killed)]
   assert rows == [{k: v for k, v in r.items() if k != "tokens_per_sec"}
                   for r in read_metrics(workdir)]
+
+
+def test_stage_list_not_increasing_stops_before_the_workdir_is_touched(
+    tmp_path):
+  config = _ladder_config()
+  config.curriculum.stages = "64:3,32:3"
+  with pytest.raises(ConfigError, match="seq_len must be strictly increasing"):
+    loop.train_and_evaluate(config, str(tmp_path / "run"))
+  assert not (tmp_path / "run").exists()

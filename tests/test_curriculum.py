@@ -183,10 +183,16 @@ def test_interrupted_ladder_resumes_mid_stage_like_an_uninterrupted_one(
                   for r in read_metrics(workdir)]
 
 
-def test_stage_list_not_increasing_stops_before_the_workdir_is_touched(
-    tmp_path):
+def test_bad_stage_lists_stop_before_the_workdir_is_touched(tmp_path):
   config = _ladder_config()
   config.curriculum.stages = "64:3,32:3"
   with pytest.raises(ConfigError, match="seq_len must be strictly increasing"):
+    loop.train_and_evaluate(config, str(tmp_path / "run"))
+  assert not (tmp_path / "run").exists()
+  # A stage longer than the validation split holds: before any compile.
+  config.curriculum.stages = "32:3,131072:3:1"
+  config.curriculum.constant_tokens = False
+  with pytest.raises(ConfigError, match=r"stages\[1\] \(seq_len 131072, "
+                     r"batch 1\): .*tokens"):
     loop.train_and_evaluate(config, str(tmp_path / "run"))
   assert not (tmp_path / "run").exists()

@@ -30,7 +30,8 @@ import tqdm
 from absl import logging
 
 from moe_jax import sharding
-from moe_jax.config_validation import check_resume_config, validate_config
+from moe_jax.config_validation import (ConfigError, check_resume_config,
+                                       validate_config)
 from moe_jax.curriculum import Stage, stages_of, warmup_restarts
 from moe_jax.data import (TokenBatcher, eval_batches, make_datasets,
                           unigram_bits_per_byte)
@@ -181,6 +182,24 @@ def build_train_step(config: ml_collections.ConfigDict,
                     train_step)
 
 
+def _check_stages_fit(stages: list[Stage], train_tokens, val_tokens,
+                      seed: int, process: dict) -> None:
+  """Every stage's training windows and one eval batch fit the splits;
+  checked before anything compiles, not when the stage is reached."""
+  if len(stages) == 1:
+    return  # make_datasets checked data.seq_len; eval checks its batches.
+  for stage in stages:
+    try:
+      TokenBatcher(train_tokens, stage.seq_len, stage.batch_size, seed,
+                   **process)
+      eval_batches(val_tokens, stage.seq_len, stage.batch_size,
+                   max_batches=1, **process)
+    except ValueError as e:
+      raise ConfigError(f"curriculum.stages[{stage.index}] (seq_len "
+                        f"{stage.seq_len}, batch {stage.batch_size}): {e}"
+                        ) from None
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
                        stop_at_step: int | None = None,
                        strict_resume: bool = False) -> dict:
@@ -222,6 +241,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     raise ValueError(f"model.vocab_size={mcfg.vocab_size} is smaller than the "
                      f"data's vocabulary ({vocab}); allowed: >= {vocab}")
   unigram_bpb = unigram_bits_per_byte(train_tokens, val_tokens, vocab)
+  _check_stages_fit(stages, train_tokens, val_tokens, config.seed, process)
 
   # The state's layout is the same in every stage; the first stage's setup
   # restores or initialises it.

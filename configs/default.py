@@ -45,10 +45,12 @@ VARIANTS = {
     # results/load_balancing.md: halves the per-batch MaxVio noise floor).
     "batch32": setter(**{"data.batch_size": 32}),
     # The context curriculum 256 -> 1K -> 4K, 4096 tokens per step
-    # (batches 16, 4, 1); the LR ramps up again over 10 steps per stage.
+    # (batches 16, 4, 1); the LR ramps up again over 10 steps per stage;
+    # each stage ends with loss against position and passkey up to 4x.
     "curriculum": setter(**{"data.seq_len": 256, "data.batch_size": 16,
                             "curriculum.stages": "256:120,1024:40,4096:20",
                             "curriculum.stage_warmup_steps": 10,
+                            "curriculum.stage_end_factor": 4,
                             "train.steps": 180, "train.eval_every": 60,
                             "train.checkpoint_every": 60}),
     # Smaller and shorter, for tests and notebooks.

@@ -31,11 +31,13 @@ VARIANTS = {
     "extreme": setter(**{"model.moe.num_experts": 256, "model.moe.top_k": 8,
                          "model.moe.d_expert": 32}),
     # The one-GPU context curriculum 4K -> 16K -> 64K -> 256K at 256K tokens
-    # per step (batches 64, 16, 4, 1).
+    # per step (batches 64, 16, 4, 1); each stage ends with loss against
+    # position and passkey accuracy up to 4x its length.
     "curriculum": setter(**{
         "data.seq_len": 4096, "data.batch_size": 64,
         "curriculum.stages": "4096:2000,16384:500,65536:200,262144:100",
-        "curriculum.stage_warmup_steps": 50, "train.steps": 2800,
+        "curriculum.stage_warmup_steps": 50, "curriculum.stage_end_factor": 4,
+        "train.steps": 2800,
         "train.eval_every": 250, "train.checkpoint_every": 100}),
     "short": setter(**{"train.steps": 200, "train.warmup_steps": 20,
                      "train.eval_every": 100, "train.checkpoint_every": 100}),

@@ -78,18 +78,6 @@ def train_length(config: ml_collections.ConfigDict, step: int) -> int:
   return stage_at(stages_of(config), step - 1).seq_len
 
 
-def _batched(scorer: lc.Scorer, batch_size: int) -> lc.Scorer:
-  """A scorer that runs at most batch_size rows per forward."""
-  if batch_size <= 0:
-    return scorer
-
-  def run(inputs, targets):
-    parts = [scorer(inputs[i:i + batch_size], targets[i:i + batch_size])
-             for i in range(0, inputs.shape[0], batch_size)]
-    return tuple(np.concatenate(p) for p in zip(*parts))
-  return run
-
-
 def _no_nan(tree):
   """NaN (a cell a task skips) as null, so that results.json is JSON."""
   if isinstance(tree, dict):
@@ -118,7 +106,8 @@ def evaluate_long(workdir: str, *, step: int | None = None,
   train_len = train_length(config, step)
   out = out or os.path.join(workdir, "long_context", f"step_{step}")
   os.makedirs(out, exist_ok=True)
-  scorer = _batched(lc.make_scorer(model, params, router_state), batch_size)
+  scorer = lc.batched(lc.make_scorer(model, params, router_state),
+                      batch_size)
   lengths = sorted({int(round(f * train_len)) for f in factors})
   result = {"step": step, "train_len": train_len, "out": out, "figures": []}
   md = [f"# Length extrapolation of {workdir}, step {step}\n",

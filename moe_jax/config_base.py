@@ -136,6 +136,9 @@ def base_config() -> ml_collections.ConfigDict:
   cu.stages = ""
   cu.constant_tokens = True     # stage batch * seq_len == data.batch_size * data.seq_len
   cu.stage_warmup_steps = 0     # LR ramp at each stage after the first (0 = none)
+  # > 0: at each stage's end, loss against position and passkey accuracy up
+  # to this many times the stage's seq_len ("long_context" metrics rows).
+  cu.stage_end_factor = 0
 
   # ----- device mesh (docs/design.md §8; moe_jax.sharding) -----
   me = c.mesh = ml_collections.ConfigDict()

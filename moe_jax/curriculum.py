@@ -13,7 +13,9 @@ explicit one must give the same product unless
 curriculum.constant_tokens=False. train.steps must equal the sum of the
 stages' steps (the learning-rate schedule runs over the whole ladder);
 curriculum.stage_warmup_steps > 0 ramps the learning rate up again at the
-start of every stage after the first.
+start of every stage after the first; curriculum.stage_end_factor > 0
+measures the extrapolation to that many times each stage's length at its
+end (moe_jax.eval.long_context.stage_end_metrics).
 
 Ground floor beside config_validation (whose ConfigError it raises).
 """
@@ -122,6 +124,10 @@ def stages_of(config: ml_collections.ConfigDict) -> list[Stage]:
     raise ConfigError(
         f"train.steps={config.train.steps} must equal the sum of the "
         f"curriculum.stages steps ({start}); set --config.train.steps={start}")
+  factor = cur.stage_end_factor
+  if isinstance(factor, bool) or not isinstance(factor, int) or factor < 0:
+    raise ConfigError("curriculum.stage_end_factor must be an integer >= 0 "
+                      f"(0 = off), got {factor!r}")
   warmup = cur.stage_warmup_steps
   if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
     raise ConfigError("curriculum.stage_warmup_steps must be an integer >= 0,"

@@ -16,6 +16,7 @@ import pytest
 from conftest import assert_config_error, load_config, set_field
 from moe_jax.config_validation import ConfigError, validate_config
 from moe_jax.curriculum import Stage, stage_at, stages_of
+from moe_jax.eval import long_context as lc
 from moe_jax.train import loop
 from moe_jax.train.checkpoint import Checkpointer
 from moe_jax.train.metrics import read_metrics
@@ -29,6 +30,7 @@ def _ladder_config():
   config.curriculum.stages = LADDER
   config.train.checkpoint_every = 2  # and each stage's end: 2, 3, 4, 6
   config.train.keep_checkpoints = 4
+  config.curriculum.stage_end_factor = 2  # up to 64, then 128 tokens
   return config
 
 
@@ -161,6 +163,19 @@ def test_metrics_rows_carry_the_stage(ladder):
   # Each stage's last step is logged and evaluated at its length.
   assert got == [("train", 2, 0, 32), ("train", 3, 0, 32), ("eval", 3, 0, 32),
                  ("train", 4, 1, 64), ("train", 6, 1, 64), ("eval", 6, 1, 64)]
+
+
+def test_each_stage_ends_with_its_length_extrapolation(ladder):
+  _, workdir, _, _ = ladder
+  rows = [r for r in read_metrics(workdir) if r["split"] == "long_context"]
+  assert [(r["step"], r["stage"], r["seq_len"]) for r in rows] == [
+      (3, 0, 32), (6, 1, 64)]
+  assert sorted(k for k in rows[1] if k.startswith("loss/")) == sorted(
+      f"loss/pos_{lo}_{hi}" for lo, hi in lc.position_buckets(64, 128))
+  assert not any(k.startswith("passkey/") for k in rows[0])  # 64 < prompt
+  assert 0 <= rows[1]["passkey/len_128"] <= 1
+  assert all(np.isfinite(v) for r in rows for k, v in r.items()
+             if k.startswith("loss/"))
 
 
 def test_interrupted_ladder_resumes_mid_stage_like_an_uninterrupted_one(

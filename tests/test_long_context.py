@@ -19,7 +19,9 @@ from moe_jax.eval import long_context as lc
 from moe_jax.eval.step import token_cross_entropy
 from moe_jax.model import build_model
 
-SAMPLES = 2  # one batch shape per length: one compilation each
+# Two sequences per cell, scored one per forward: one compilation per
+# length, shared with the ladder's stage-end evaluation (test_curriculum.py).
+SAMPLES = 2
 
 
 def _oracle(offset: int = 0, first_only: bool = False) -> lc.Scorer:
@@ -136,16 +138,19 @@ def random_model():
 
 def test_scorer_and_task_outputs_on_a_tiny_random_model(random_model):
   model, params, router_state = random_model
-  scorer = lc.make_scorer(model, params, router_state)
+  scorer = lc.batched(lc.make_scorer(model, params, router_state), 1)
   seqs = np.stack([lc.mqar_example(33, 4, seed=0, index=i)["tokens"]
                    for i in range(SAMPLES)])
   ce, pred = scorer(seqs[:, :-1], seqs[:, 1:])
-  logits = jax.jit(model.apply)(
-      {"params": params, "router_state": router_state},
-      jnp.asarray(seqs[:, :-1]))
-  np.testing.assert_allclose(
-      ce, token_cross_entropy(logits, jnp.asarray(seqs[:, 1:])), rtol=1e-5)
-  np.testing.assert_array_equal(pred, np.argmax(logits, -1))
+  assert ce.shape == pred.shape == (SAMPLES, 32)
+  forward = jax.jit(model.apply)
+  for row in range(SAMPLES):
+    logits = forward({"params": params, "router_state": router_state},
+                     jnp.asarray(seqs[row:row + 1, :-1]))[0]
+    np.testing.assert_allclose(
+        ce[row], token_cross_entropy(logits, jnp.asarray(seqs[row, 1:])),
+        rtol=1e-5)
+    np.testing.assert_array_equal(pred[row], np.argmax(logits, -1))
 
   # Every task at one length (32), so that nothing else compiles; the
   # passkey prompt needs more: the CLI test below runs it at 128.
@@ -167,7 +172,7 @@ def test_cli_core_evaluates_a_tiny_checkpoint(smoke_run, tmp_path):
   _, workdir, _ = smoke_run  # trained at 32 tokens, checkpoint 6
   out = str(tmp_path / "long")
   res = evaluate_long(workdir, out=out, factors=(1, 4), depths=(0.0, 1.0),
-                      samples=SAMPLES, mqar_pairs=(4, 16))
+                      samples=SAMPLES, mqar_pairs=(4, 16), batch_size=1)
   assert res["step"] == 6 and res["train_len"] == 32
   assert res["loss"][-1]["hi"] == 128
   assert res["passkey"]["lengths"] == [128]  # 32 is shorter than a prompt

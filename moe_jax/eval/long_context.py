@@ -70,6 +70,18 @@ def make_scorer(model: nn.Module, params, router_state) -> Scorer:
   return scorer
 
 
+def batched(scorer: Scorer, batch_size: int) -> Scorer:
+  """A scorer that runs at most batch_size rows per forward (<= 0: all)."""
+  if batch_size <= 0:
+    return scorer
+
+  def run(inputs, targets):
+    parts = [scorer(inputs[i:i + batch_size], targets[i:i + batch_size])
+             for i in range(0, inputs.shape[0], batch_size)]
+    return tuple(np.concatenate(p) for p in zip(*parts))
+  return run
+
+
 def _rng(seed: int, *keys: int) -> np.random.Generator:
   return np.random.Generator(np.random.PCG64(np.random.SeedSequence(
       [seed, *keys])))
@@ -278,6 +290,27 @@ def mqar_accuracy(scorer: Scorer, lengths: Sequence[int],
       acc[i, j] = token_correct.sum() / mask.sum()
   return {"num_pairs": [int(p) for p in num_pairs], "lengths": lengths,
           "accuracy": acc}
+
+
+# ----- at a curriculum stage's end -----
+
+def stage_end_metrics(scorer: Scorer, val_tokens: np.ndarray, train_len: int,
+                      factor: int, samples: int, seed: int = 0) -> dict:
+  """Flat scalars of the extrapolation to factor x train_len: the loss per
+  position bucket ("loss/pos_LO_HI") and the passkey accuracy per length
+  (train_len x 1, 2, 4, ... up to the factor; "passkey/len_N", averaged over
+  depths 0, 0.25, ..., 1; lengths shorter than a prompt are left out)."""
+  max_len = factor * train_len
+  out = {f"loss/pos_{r['lo']}_{r['hi']}": r["loss"] for r in
+         loss_by_position(scorer, val_tokens, train_len, max_len, samples)}
+  lengths = [n for n in (train_len * 2 ** k for k in range(64))
+             if n <= max_len and n > passkey_overhead()]
+  if lengths:
+    res = passkey_accuracy(scorer, lengths, (0.0, 0.25, 0.5, 0.75, 1.0),
+                           samples, seed)
+    out.update({f"passkey/len_{n}": float(acc.mean())
+                for n, acc in zip(lengths, res["accuracy"])})
+  return out
 
 
 # ----- tables and figures -----

@@ -35,6 +35,7 @@ from moe_jax.config_validation import (ConfigError, check_resume_config,
 from moe_jax.curriculum import Stage, stages_of, warmup_restarts
 from moe_jax.data import (TokenBatcher, eval_batches, make_datasets,
                           unigram_bits_per_byte)
+from moe_jax.eval import long_context
 from moe_jax.eval.evaluate import evaluate
 from moe_jax.eval.step import make_eval_step
 from moe_jax.model import build_model
@@ -297,6 +298,22 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
       writer.write_histogram(step, f"expert_load/{layer}", load)
     return ev
 
+  def run_stage_end_eval(step, stage: Stage):
+    """Length extrapolation of the stage's final state (one process)."""
+    if jax.process_count() > 1:
+      logging.warning("curriculum.stage_end_factor: skipped on %d processes",
+                      jax.process_count())
+      return
+    # One sequence per forward: at factor x the longest stage a batch of
+    # them would not fit where the training batch does.
+    scorer = long_context.batched(long_context.make_scorer(
+        model, state.params, state.router_state), 1)
+    metrics = long_context.stage_end_metrics(
+        scorer, val_tokens, stage.seq_len, config.curriculum.stage_end_factor,
+        tcfg.eval_batches, config.seed)
+    writer.write(step, dict(metrics, stage=stage.index,
+                            seq_len=stage.seq_len), split="long_context")
+
   bar = tqdm.tqdm(total=last_step, initial=start, disable=not (
       is_chief and tcfg.progress_bar), desc="train", dynamic_ncols=True)
   # Steps are dispatched without waiting for them: the host prepares the
@@ -371,6 +388,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
           result.update({k: float(v) for k, v in metrics.items()})
         if eval_now:
           result.update(run_eval(step, stage, eval_step, global_batch))
+        if step == stage.end and config.curriculum.stage_end_factor:
+          run_stage_end_eval(step, stage)
         if save_now:
           ckpt.save(step, state, dict(train_iter.get_state(), **stage_rows),
                     config.to_dict())

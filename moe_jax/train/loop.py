@@ -183,22 +183,30 @@ def build_train_step(config: ml_collections.ConfigDict,
                     train_step)
 
 
-def _check_stages_fit(stages: list[Stage], train_tokens, val_tokens,
-                      seed: int, process: dict) -> None:
-  """Every stage's training windows and one eval batch fit the splits;
-  checked before anything compiles, not when the stage is reached."""
-  if len(stages) == 1:
-    return  # make_datasets checked data.seq_len; eval checks its batches.
+def _check_stages_fit(config, stages: list[Stage], train_tokens, val_tokens,
+                      process: dict) -> None:
+  """Every stage's training windows, one eval batch and its stage-end
+  evaluation fit the splits; checked before anything compiles, not when the
+  stage is reached."""
+  factor = config.curriculum.stage_end_factor
   for stage in stages:
+    where = (f"curriculum.stages[{stage.index}] (seq_len {stage.seq_len}, "
+             f"batch {stage.batch_size})" if config.curriculum.stages.strip()
+             else f"data.seq_len={stage.seq_len}")
     try:
-      TokenBatcher(train_tokens, stage.seq_len, stage.batch_size, seed,
+      TokenBatcher(train_tokens, stage.seq_len, stage.batch_size, config.seed,
                    **process)
       eval_batches(val_tokens, stage.seq_len, stage.batch_size,
                    max_batches=1, **process)
     except ValueError as e:
-      raise ConfigError(f"curriculum.stages[{stage.index}] (seq_len "
-                        f"{stage.seq_len}, batch {stage.batch_size}): {e}"
-                        ) from None
+      raise ConfigError(f"{where}: {e}") from None
+    need = factor * stage.seq_len + config.train.eval_batches
+    if factor and val_tokens.shape[0] < need:
+      raise ConfigError(
+          f"{where}: curriculum.stage_end_factor={factor} needs "
+          f"{config.train.eval_batches} (train.eval_batches) held-out windows"
+          f" of {factor * stage.seq_len + 1} tokens, the validation split has "
+          f"{val_tokens.shape[0]}; lower the factor or use more data")
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
@@ -242,7 +250,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     raise ValueError(f"model.vocab_size={mcfg.vocab_size} is smaller than the "
                      f"data's vocabulary ({vocab}); allowed: >= {vocab}")
   unigram_bpb = unigram_bits_per_byte(train_tokens, val_tokens, vocab)
-  _check_stages_fit(stages, train_tokens, val_tokens, config.seed, process)
+  _check_stages_fit(config, stages, train_tokens, val_tokens, process)
 
   # The state's layout is the same in every stage; the first stage's setup
   # restores or initialises it.

@@ -22,11 +22,11 @@ The one-GPU results of the curriculum (configs/gpu_small.py:curriculum,
 final stage 256K; passkey up to 4x = 1M, loss up to 16x needs a token file
 with a validation split of more than 4M tokens, --config.data.val_path):
   python -m experiments.evaluate_long --workdir=runs/gs_ladder \
-      --factors=1,2,4 --samples=8 --batch_size=1
+      --factors=1,2,4 --samples=8
   python -m experiments.evaluate_long --workdir=runs/gs_ladder_rope \
-      --factors=1,2,4 --samples=8 --batch_size=1
+      --factors=1,2,4 --samples=8
   python -m experiments.evaluate_long --workdir=runs/gs_ladder_unb \
-      --factors=1,2,4 --samples=8 --batch_size=1
+      --factors=1,2,4 --samples=8
 and, per stage, --step=2000, 2500, 2700 (the stages' last steps).
 """
 from __future__ import annotations
@@ -67,8 +67,8 @@ def define_flags():
                              "MQAR key-value pair counts.")
   _SEED = flags.DEFINE_integer("seed", 0, "Generator seed.")
   _BATCH = flags.DEFINE_integer(
-      "batch_size", 0, "Sequences per forward (0 = --samples); lower it "
-      "for long contexts.")
+      "batch_size", 1, "Sequences per forward (0 = all --samples of a cell "
+      "at once; one compilation per length either way).")
 
 
 def train_length(config: ml_collections.ConfigDict, step: int) -> int:
@@ -92,7 +92,7 @@ def evaluate_long(workdir: str, *, step: int | None = None,
                   factors=(1, 2, 4, 8, 16),
                   depths=(0.0, 0.25, 0.5, 0.75, 1.0), samples: int = 8,
                   mqar_pairs=(4, 8, 16, 32), seed: int = 0,
-                  batch_size: int = 0) -> dict:
+                  batch_size: int = 1) -> dict:
   """Runs the tasks on a checkpoint; writes tables, JSON and figures.
 
   Returns:

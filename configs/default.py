@@ -52,7 +52,8 @@ VARIANTS = {
                             "curriculum.stage_warmup_steps": 10,
                             "curriculum.stage_end_factor": 4,
                             "train.steps": 180, "train.eval_every": 60,
-                            "train.checkpoint_every": 60}),
+                            "train.checkpoint_every": 60,
+                            "train.keep_checkpoints": 4}),
     # Smaller and shorter, for tests and notebooks.
     "tiny": setter(**{"model.d_model": 32, "model.num_layers": 2,
                       "model.layer_pattern": "KM", "model.kda.chunk_size": 16,

@@ -38,7 +38,8 @@ VARIANTS = {
         "curriculum.stages": "4096:2000,16384:500,65536:200,262144:100",
         "curriculum.stage_warmup_steps": 50, "curriculum.stage_end_factor": 4,
         "train.steps": 2800,
-        "train.eval_every": 250, "train.checkpoint_every": 100}),
+        "train.eval_every": 250, "train.checkpoint_every": 500,
+        "train.keep_checkpoints": 8}),  # every stage's end is kept
     "short": setter(**{"train.steps": 200, "train.warmup_steps": 20,
                      "train.eval_every": 100, "train.checkpoint_every": 100}),
 }

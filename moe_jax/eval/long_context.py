@@ -117,7 +117,8 @@ def loss_by_position(scorer: Scorer, tokens: np.ndarray, train_len: int,
   Args:
     scorer: `make_scorer(...)`.
     tokens: [n] held-out token ids; num_sequences windows of max_len + 1
-      tokens, evenly spaced over it, are scored in one batch.
+      tokens, evenly spaced over it (overlapping where it is short), are
+      scored as one batch (`batched` splits it).
     train_len: the training sequence length (bucket edges, ratios).
     max_len: positions scored, e.g. 16 * train_len.
     num_sequences: windows (the batch).

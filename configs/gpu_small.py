@@ -10,13 +10,14 @@ Variants: standard_residual, unbounded_decay, sign, aux, no_balancing, extreme,
 short, curriculum.
   python -m experiments.train --config=configs/gpu_small.py:sign --workdir=runs/gs_sign
 The context curriculum 4K -> 16K -> 64K -> 256K (rerun to resume mid-stage),
-its NoPE/bounded-decay contrasts, and the length-extrapolation evaluation of
-the final stage up to 16x (4M):
+its contrasts (RoPE in MLA, unbounded decay), and the length-extrapolation
+evaluation of the final stage up to 4x (1M; the embedded corpus's validation
+split holds about 1.2M tokens):
   python -m experiments.train --config=configs/gpu_small.py:curriculum --workdir=runs/gs_ladder
   python -m experiments.train --config=configs/gpu_small.py:curriculum,unbounded_decay --workdir=runs/gs_ladder_unb
   python -m experiments.train --config=configs/gpu_small.py:curriculum \
       --config.model.mla.qk_rope_head_dim=64 --workdir=runs/gs_ladder_rope
-  python -m experiments.evaluate_long --workdir=runs/gs_ladder
+  python -m experiments.evaluate_long --workdir=runs/gs_ladder --factors=1,2,4
 """
 from moe_jax.config_base import apply_variant, base_config, setter
 

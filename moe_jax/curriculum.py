@@ -75,7 +75,11 @@ def parse_stages(text: str) -> list[tuple[int, int, int | None]]:
 
 
 def stages_of(config: ml_collections.ConfigDict) -> list[Stage]:
-  """The validated ladder of a config; ConfigError names the bad field."""
+  """The validated ladder of a config; ConfigError names the bad field.
+
+  Fields besides curriculum.stages default where a config saved before
+  they existed lacks them.
+  """
   cur = config.curriculum
   ref_len, ref_batch = config.data.seq_len, config.data.batch_size
   text = cur.stages.strip() if isinstance(cur.stages, str) else cur.stages
@@ -107,7 +111,7 @@ def stages_of(config: ml_collections.ConfigDict) -> list[Stage]:
       batch = tokens // seq_len
     elif batch < 1:
       raise ConfigError(f"{where}: batch_size must be >= 1, got {batch}")
-    elif cur.constant_tokens and batch * seq_len != tokens:
+    elif cur.get("constant_tokens", True) and batch * seq_len != tokens:
       raise ConfigError(
           f"{where}: batch_size {batch} gives {batch * seq_len} tokens per "
           f"step, not data.batch_size * data.seq_len = {tokens}; allowed: "
@@ -124,11 +128,11 @@ def stages_of(config: ml_collections.ConfigDict) -> list[Stage]:
     raise ConfigError(
         f"train.steps={config.train.steps} must equal the sum of the "
         f"curriculum.stages steps ({start}); set --config.train.steps={start}")
-  factor = cur.stage_end_factor
+  factor = cur.get("stage_end_factor", 0)
   if isinstance(factor, bool) or not isinstance(factor, int) or factor < 0:
     raise ConfigError("curriculum.stage_end_factor must be an integer >= 0 "
                       f"(0 = off), got {factor!r}")
-  warmup = cur.stage_warmup_steps
+  warmup = cur.get("stage_warmup_steps", 0)
   if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
     raise ConfigError("curriculum.stage_warmup_steps must be an integer >= 0,"
                       f" got {warmup!r}")

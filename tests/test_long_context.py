@@ -187,3 +187,14 @@ def test_cli_core_evaluates_a_tiny_checkpoint(smoke_run, tmp_path):
   pytest.importorskip("matplotlib")
   assert sorted(os.path.basename(p) for p in res["figures"]) == [
       "loss_by_position.png", "mqar.png", "passkey.png"]
+
+
+def test_training_length_is_the_checkpoints_stage_even_in_older_configs():
+  import ml_collections
+  from experiments.evaluate_long import train_length
+  saved = load_config("default.py", "tiny,smoke").to_dict()
+  saved["curriculum"] = {"stages": "32:3,64:3"}  # saved before other fields
+  config = ml_collections.ConfigDict(saved)
+  assert [train_length(config, s) for s in (1, 3, 4, 6)] == [32, 32, 64, 64]
+  del saved["curriculum"]  # saved before the curriculum existed
+  assert train_length(ml_collections.ConfigDict(saved), 6) == 32

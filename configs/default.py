@@ -9,6 +9,13 @@ Variants (comma-separated after a colon):
   python -m experiments.train --config=configs/default.py:standard_residual --workdir=runs/std
   python -m experiments.train --config=configs/default.py:unbounded_decay --workdir=runs/unb
   python -m experiments.train --config=configs/default.py:sign --workdir=runs/sign
+Context curriculum 256 -> 1K -> 4K (one command runs the ladder; rerun to
+resume mid-stage), then the length-extrapolation evaluation:
+  python -m experiments.train --config=configs/default.py:curriculum --workdir=runs/curriculum
+  python -m experiments.evaluate_long --workdir=runs/curriculum
+  python -m experiments.train --config=configs/default.py:curriculum \
+      --config.curriculum.stages=256:100,2048:20 --config.train.steps=120 \
+      --workdir=runs/curriculum2
 Overrides:
   python -m experiments.train --config=configs/default.py \
       --config.model.moe.num_experts=32 --config.train.steps=500 --workdir=runs/e32
@@ -37,6 +44,16 @@ VARIANTS = {
     # 32 sequences per batch (the load-balancing comparison in
     # results/load_balancing.md: halves the per-batch MaxVio noise floor).
     "batch32": setter(**{"data.batch_size": 32}),
+    # The context curriculum 256 -> 1K -> 4K, 4096 tokens per step
+    # (batches 16, 4, 1); the LR ramps up again over 10 steps per stage;
+    # each stage ends with loss against position and passkey up to 4x.
+    "curriculum": setter(**{"data.seq_len": 256, "data.batch_size": 16,
+                            "curriculum.stages": "256:120,1024:40,4096:20",
+                            "curriculum.stage_warmup_steps": 10,
+                            "curriculum.stage_end_factor": 4,
+                            "train.steps": 180, "train.eval_every": 60,
+                            "train.checkpoint_every": 60,
+                            "train.keep_checkpoints": 4}),
     # Smaller and shorter, for tests and notebooks.
     "tiny": setter(**{"model.d_model": 32, "model.num_layers": 2,
                       "model.layer_pattern": "KM", "model.kda.chunk_size": 16,

@@ -7,8 +7,17 @@ one shared expert, Block Attention Residuals, Quantile Balancing.
 Launch on a GPU machine (from the repo root):
   python -m experiments.train --config=configs/gpu_small.py --workdir=runs/gpu_small
 Variants: standard_residual, unbounded_decay, sign, aux, no_balancing, extreme,
-short.
+short, curriculum.
   python -m experiments.train --config=configs/gpu_small.py:sign --workdir=runs/gs_sign
+The context curriculum 4K -> 16K -> 64K -> 256K (rerun to resume mid-stage),
+its contrasts (RoPE in MLA, unbounded decay), and the length-extrapolation
+evaluation of the final stage up to 4x (1M; the embedded corpus's validation
+split holds about 1.2M tokens):
+  python -m experiments.train --config=configs/gpu_small.py:curriculum --workdir=runs/gs_ladder
+  python -m experiments.train --config=configs/gpu_small.py:curriculum,unbounded_decay --workdir=runs/gs_ladder_unb
+  python -m experiments.train --config=configs/gpu_small.py:curriculum \
+      --config.model.mla.qk_rope_head_dim=64 --workdir=runs/gs_ladder_rope
+  python -m experiments.evaluate_long --workdir=runs/gs_ladder --factors=1,2,4
 """
 from moe_jax.config_base import apply_variant, base_config, setter
 
@@ -22,6 +31,16 @@ VARIANTS = {
     # Extreme sparsity: 256 routed experts of width 32, top-8 (~124M total).
     "extreme": setter(**{"model.moe.num_experts": 256, "model.moe.top_k": 8,
                          "model.moe.d_expert": 32}),
+    # The one-GPU context curriculum 4K -> 16K -> 64K -> 256K at 256K tokens
+    # per step (batches 64, 16, 4, 1); each stage ends with loss against
+    # position and passkey accuracy up to 4x its length.
+    "curriculum": setter(**{
+        "data.seq_len": 4096, "data.batch_size": 64,
+        "curriculum.stages": "4096:2000,16384:500,65536:200,262144:100",
+        "curriculum.stage_warmup_steps": 50, "curriculum.stage_end_factor": 4,
+        "train.steps": 2800,
+        "train.eval_every": 250, "train.checkpoint_every": 500,
+        "train.keep_checkpoints": 8}),  # every stage's end is kept
     "short": setter(**{"train.steps": 200, "train.warmup_steps": 20,
                      "train.eval_every": 100, "train.checkpoint_every": 100}),
 }

@@ -51,6 +51,9 @@ multi-controller runtime; the mesh (above) is chosen by the planner and set by
 the sharding code. Variants:
   short_context       data.seq_len 8192, 2048 sequences per step (the same
                       16.8M tokens): the curriculum's first stage.
+  curriculum          the whole ladder 8K -> 64K -> 256K -> 1M in one run
+                      (16.8M tokens per step in every stage; the mesh of
+                      each stage is the one above for its length).
   full_width_experts  no latent projection: 896 experts of width 576 acting
                       on the 7168-wide token (0.99T total, 33B active).
 """
@@ -60,6 +63,14 @@ from moe_jax.config_base import apply_variant, base_config, setter
 VARIANTS = {
     "short_context": setter(**{"data.seq_len": 8192,
                                "data.batch_size": 2048}),
+    # The full context curriculum 8K -> 64K -> 256K -> 1M at 16.8M tokens
+    # per step (2048, 256, 64 and 16 sequences); the 1M stage is the
+    # default config's 2000 steps.
+    "curriculum": setter(**{
+        "data.seq_len": 8192, "data.batch_size": 2048,
+        "curriculum.stages": "8192:20000,65536:4000,262144:2000,1048576:2000",
+        "curriculum.stage_warmup_steps": 100, "train.steps": 28000,
+        "train.warmup_steps": 2000}),
     "full_width_experts": setter(**{"model.moe.expert_latent_dim": 0,
                                     "model.moe.d_expert": 576}),
 }

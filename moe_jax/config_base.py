@@ -148,6 +148,17 @@ def base_config() -> ml_collections.ConfigDict:
   t.keep_checkpoints = 2
   t.progress_bar = True
 
+  # ----- context curriculum (moe_jax/curriculum.py) -----
+  cu = c.curriculum = ml_collections.ConfigDict()
+  # "seq_len:steps[:batch_size],...", seq_len strictly increasing; the steps
+  # sum to train.steps. "" = one stage of (data.seq_len, train.steps).
+  cu.stages = ""
+  cu.constant_tokens = True     # stage batch * seq_len == data.batch_size * data.seq_len
+  cu.stage_warmup_steps = 0     # LR ramp at each stage after the first (0 = none)
+  # > 0: at each stage's end, loss against position and passkey accuracy up
+  # to this many times the stage's seq_len ("long_context" metrics rows).
+  cu.stage_end_factor = 0
+
   # ----- device mesh (docs/design.md §8; moe_jax.sharding) -----
   me = c.mesh = ml_collections.ConfigDict()
   me.num_devices = -1           # -1 = every device of every process; N =

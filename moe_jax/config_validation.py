@@ -233,6 +233,11 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   _int_range(config, "train.microbatches", 1)
   _divides(config, "train.microbatches", "data.batch_size")
 
+  # Context curriculum (its stages against data.* and train.steps).
+  _one_of(config, "curriculum.constant_tokens", (True, False))
+  from moe_jax.curriculum import stages_of  # pylint: disable=g-import-not-at-top
+  stages_of(config)  # It imports ConfigError from here.
+
   # Device mesh (sizes against the device count: moe_jax.sharding.make_mesh).
   validate_mesh_config(config)
 
@@ -272,6 +277,12 @@ def validate_vision_config(config: ml_collections.ConfigDict) -> None:
         f"{config.model.vocab_size}")
   if not vision_data:
     return
+  cu = config.get("curriculum")
+  if cu is not None and (cu.stages.strip() or cu.stage_end_factor):
+    raise ConfigError(
+        "data.source='vision' trains at one length: curriculum.stages must "
+        f"be '' and curriculum.stage_end_factor 0, got {cu.stages!r} and "
+        f"{cu.stage_end_factor}")
   _one_of(config, "data.vision.source", ("shapes", "folder"))
   if config.data.vision.source == "folder" and not config.data.vision.folder:
     raise ConfigError("data.vision.folder must name a folder of images with a "

@@ -308,6 +308,7 @@ def test_image_folder_loader_and_its_errors(tmp_path):
      "data.vision.question_types must be"),
     ("data.vision.source", "web", "data.vision.source must be one of"),
     ("data.vision.text_fraction", 1.0, "data.vision.text_fraction"),
+    ("curriculum.stage_end_factor", 2, "trains at one length"),
 ])
 def test_bad_vision_config_is_a_clear_error(field, value, match):
   config = load_config("vision.py", "tiny,smoke")

@@ -95,5 +95,6 @@ def match_sharding(out, ref, mesh):
 
 
 __all__ = ["DEFAULT_BATCH_AXES", "DEFAULT_SEQUENCE_AXES",
-           "DEFAULT_HEAD_AXES", "MeshAxes", "mesh_axes", "axis_size", "match_sharding", "choose_axes",
-           "reshard", "resolve_mesh", "spec_entry", "vary_like"]
+           "DEFAULT_HEAD_AXES", "MeshAxes", "mesh_axes", "axis_size",
+           "match_sharding", "choose_axes", "reshard", "resolve_mesh",
+           "spec_entry", "vary_like"]

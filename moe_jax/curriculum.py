@@ -17,7 +17,8 @@ start of every stage after the first; curriculum.stage_end_factor > 0
 measures the extrapolation to that many times each stage's length at its
 end (moe_jax.eval.long_context.stage_end_metrics).
 
-Ground floor beside config_validation (whose ConfigError it raises).
+config_validation calls `stages_of`; both raise moe_jax.config_error's
+ConfigError.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from typing import NamedTuple
 
 import ml_collections
 
-from moe_jax.config_validation import ConfigError
+from moe_jax.config_error import ConfigError
 
 FORMAT = ("comma-separated seq_len:steps or seq_len:steps:batch_size with "
           "seq_len strictly increasing, e.g. '256:200,1024:60,4096:20'")

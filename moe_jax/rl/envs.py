@@ -234,7 +234,7 @@ def parse_action(text: str) -> Action:
     ends = [(text.rfind(tag), tag) for tag in STOP_TAGS]
     at, tag = max(ends)
     if at < 0:
-      return Action("error", "no tool call or answer")
+      return Action("error", "no call")
     name = tag[2:-1]
     opening = f"<{name}>"
     start = text.rfind(opening, 0, at)
@@ -242,7 +242,7 @@ def parse_action(text: str) -> Action:
       return Action("error", f"missing {opening}")
     return Action(name, text[start + len(opening):at].strip())
   except Exception as e:  # pylint: disable=broad-except
-    return Action("error", f"unreadable turn ({type(e).__name__})")
+    return Action("error", f"unreadable ({type(e).__name__})")
 
 
 def reward(task: Task, answer: str) -> float:

@@ -206,7 +206,7 @@ def rollout(model: nn.Module, params: PyTree, router_state: PyTree,
   lengths = np.full(b, t_max, np.int32)
   turns = np.zeros(b, np.int32)
   temperature = jnp.float32(layout.temperature)
-  for _ in range(layout.max_turns):
+  for turn in range(layout.max_turns):
     if done.all() or pos >= t_max:
       break
     start = pos
@@ -226,7 +226,8 @@ def rollout(model: nn.Module, params: PyTree, router_state: PyTree,
         lengths[i] = start + int(own[i, start:pos].sum())
       else:
         obs[i] = envs.observe(tasks[i], action)
-    if done.all() or pos + layout.obs_len > t_max:
+    if (done.all() or turn + 1 == layout.max_turns
+        or pos + layout.obs_len > t_max):
       break
     block = np.array([observation_block(o, layout) if o else
                       [PAD] * layout.obs_len for o in obs], np.int32)

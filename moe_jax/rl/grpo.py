@@ -105,6 +105,21 @@ def make_log_prob_fn(model: nn.Module) -> Callable:
   return log_probs
 
 
+def next_router_state(router_state: PyTree, stats: PyTree, moe_cfg,
+                      router: str) -> PyTree:
+  """The router_state after a GRPO step: the balancing rule of moe_cfg
+  applied to the step's router stats ("qb"), or unchanged ("frozen")."""
+  if router not in ROUTER_MODES:
+    raise ValueError(f"rl.router must be one of {list(ROUTER_MODES)}, got "
+                     f"{router!r}")
+  if router == "frozen":
+    return router_state
+  return balancing.update_router_state(
+      router_state, stats, method=moe_cfg.balancing, ema=moe_cfg.qb_ema,
+      sign_rate=moe_cfg.sign_rate, qb_range=moe_cfg.qb_range,
+      top_k=moe_cfg.top_k, qb_scale=qb_hist_scale(moe_cfg))
+
+
 def make_grpo_step(model: nn.Module, tx: optax.GradientTransformation,
                    moe_cfg, *, clip_eps: float, kl_beta: float,
                    router: str = "qb") -> Callable:
@@ -118,9 +133,6 @@ def make_grpo_step(model: nn.Module, tx: optax.GradientTransformation,
   if router not in ROUTER_MODES:
     raise ValueError(f"rl.router must be one of {list(ROUTER_MODES)}, got "
                      f"{router!r}")
-  update_kwargs = dict(method=moe_cfg.balancing, ema=moe_cfg.qb_ema,
-                       sign_rate=moe_cfg.sign_rate, qb_range=moe_cfg.qb_range,
-                       top_k=moe_cfg.top_k, qb_scale=qb_hist_scale(moe_cfg))
 
   def loss_fn(params, router_state, batch):
     logits, mutated = model.apply(
@@ -138,10 +150,8 @@ def make_grpo_step(model: nn.Module, tx: optax.GradientTransformation,
         loss_fn, has_aux=True)(state.params, state.router_state, batch)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    router_state = state.router_state
-    if router == "qb":
-      router_state = balancing.update_router_state(router_state, stats,
-                                                   **update_kwargs)
+    router_state = next_router_state(state.router_state, stats, moe_cfg,
+                                     router)
     metrics = dict(metrics, loss=loss, grad_norm=global_norm(grads))
     for path, load in balancing.collect_loads(stats).items():
       metrics[f"maxvio/{layer_label(path)}"] = balancing.max_violation(load)

@@ -88,6 +88,13 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   heldout = [envs.make_task(config.seed, "heldout", i, kinds)
              for i in range(rl_cfg.eval_tasks)]
 
+  rl_ckpt = Checkpointer(os.path.join(workdir, "rl"), keep=2)
+  if rl_ckpt.latest_step() is not None:
+    raise ValueError(
+        f"{workdir}/rl holds RL checkpoints (step {rl_ckpt.latest_step()}); "
+        "an RL phase is not resumed: use a new --workdir (a finished "
+        "warm-up can be reused by copying <workdir>/warmup)")
+
   # 1. Warm-up on demonstrations.
   tx = make_optimizer(config.train)
   state = init_train_state(model, tx, rng, layout.max_len - 1)
@@ -130,12 +137,6 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
       model, tx, moe_cfg, clip_eps=rl_cfg.clip_eps, kl_beta=rl_cfg.kl_beta,
       router=rl_cfg.router))
   log_probs = jax.jit(grpo.make_log_prob_fn(model))
-  rl_ckpt = Checkpointer(os.path.join(workdir, "rl"), keep=2)
-  if rl_ckpt.latest_step() is not None:
-    raise ValueError(
-        f"{workdir}/rl holds RL checkpoints (step {rl_ckpt.latest_step()}); "
-        "an RL phase is not resumed: use a new --workdir (a finished "
-        "warm-up can be reused by copying <workdir>/warmup)")
   g, p = rl_cfg.group_size, rl_cfg.prompts_per_step
   rl_rng = jax.random.fold_in(rng, 2)
   for step in range(rl_cfg.steps):

@@ -260,7 +260,7 @@ def observe(task: Task, action: Action) -> str:
   if action.kind == "lookup":
     if action.arg in task.store:
       return f"<result>{task.store[action.arg]}</result>"
-    return "<result>error: unknown key</result>"
+    return "<result>error: no key</result>"
   if action.kind == "error":
     return f"<result>error: {action.arg}</result>"
   return ""  # an answer ends the episode: nothing to observe

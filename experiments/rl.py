@@ -8,11 +8,14 @@ events, and checkpoints under <workdir>/warmup and <workdir>/rl; prints the
 held-out pass@1 and best-of-N before and after RL.
 """
 import json
+import sys
 
 from absl import app, flags
 from ml_collections import config_flags
 
-from moe_jax.rl.loop import run
+from moe_jax.config_validation import ConfigError
+from moe_jax.rl.loop import RLWorkdirError, run
+from moe_jax.train.checkpoint import CheckpointError
 
 
 def define_flags():
@@ -27,7 +30,12 @@ def define_flags():
 
 def main(argv):
   del argv
-  results = run(_CONFIG.value, _WORKDIR.value)
+  try:
+    results = run(_CONFIG.value, _WORKDIR.value)
+  except (ConfigError, CheckpointError, RLWorkdirError) as e:
+    # The message says all there is to say: no traceback.
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(1)
   print(json.dumps(results, indent=1))
 
 

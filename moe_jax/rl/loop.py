@@ -37,6 +37,10 @@ from moe_jax.train.optimizer import make_optimizer, make_schedule
 from moe_jax.train.step import TrainState, init_train_state, make_train_step
 
 
+class RLWorkdirError(ValueError):
+  """The workdir holds an RL phase already; the message says what to do."""
+
+
 def layout_of(rl_cfg) -> rollout.Layout:
   return rollout.Layout(prompt_len=rl_cfg.prompt_len, max_len=rl_cfg.max_len,
                         obs_len=rl_cfg.obs_len,
@@ -90,7 +94,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
   rl_ckpt = Checkpointer(os.path.join(workdir, "rl"), keep=2)
   if rl_ckpt.latest_step() is not None:
-    raise ValueError(
+    raise RLWorkdirError(
         f"{workdir}/rl holds RL checkpoints (step {rl_ckpt.latest_step()}); "
         "an RL phase is not resumed: use a new --workdir (a finished "
         "warm-up can be reused by copying <workdir>/warmup)")

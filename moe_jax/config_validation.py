@@ -204,6 +204,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   # Data.
   _one_of(config, "data.source", ("stdlib", "token_file", "vision"))
   validate_vision_config(config)
+  if "rl" in config:
+    validate_rl_config(config)
   if config.data.source == "token_file" and not config.data.path:
     raise ConfigError(
         "data.path must name a flat binary file of token ids when "
@@ -298,6 +300,37 @@ def validate_vision_config(config: ml_collections.ConfigDict) -> None:
     raise ConfigError(
         "data.source='vision' needs mesh.context=1 (image batches are split "
         f"over rows only), got {config.mesh.context}")
+
+
+# moe_jax.rl.envs.KINDS and moe_jax.rl.grpo.ROUTER_MODES (kept equal by a
+# test, so that validation does not import jax).
+RL_TASK_KINDS = ("calc", "lookup")
+RL_ROUTER_MODES = ("qb", "frozen")
+
+
+def validate_rl_config(config: ml_collections.ConfigDict) -> None:
+  """The rl section (configs/rl.py): environments, buffer layout, GRPO."""
+  kinds = config.rl.tasks.split(",")
+  if not kinds or set(kinds) - set(RL_TASK_KINDS):
+    raise ConfigError(
+        "rl.tasks must be a comma-separated list of "
+        f"{list(RL_TASK_KINDS)}, got {config.rl.tasks!r}")
+  for field in ("prompt_len", "obs_len", "turn_tokens", "max_turns", "steps",
+                "prompts_per_step", "eval_every", "eval_tasks",
+                "eval_samples", "checkpoint_every"):
+    _int_range(config, f"rl.{field}", 1)
+  _int_range(config, "rl.group_size", 2)
+  _int_range(config, "rl.demo_max_wait", 0)
+  _int_range(config, "rl.max_len",
+             config.rl.prompt_len + config.rl.obs_len + 2)
+  _float_range(config, "rl.temperature", 0.0, lo_open=True)
+  _float_range(config, "rl.learning_rate", 0.0, lo_open=True)
+  _float_range(config, "rl.clip_eps", 0.0, 1.0, lo_open=True, hi_open=True)
+  _float_range(config, "rl.kl_beta", 0.0)
+  _one_of(config, "rl.router", RL_ROUTER_MODES)
+  if config.data.source != "stdlib":
+    raise ConfigError("an rl config trains on its environments; data.source "
+                      f"must stay 'stdlib', got {config.data.source!r}")
 
 
 def validate_mesh_config(config: ml_collections.ConfigDict) -> None:

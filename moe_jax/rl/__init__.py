@@ -1,0 +1,1 @@
+"""Agentic RL post-training: tool environments, rollouts, GRPO."""

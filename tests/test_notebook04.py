@@ -28,6 +28,11 @@ def test_long_context_notebook(tmp_path, monkeypatch):
                                          text)]
   assert len(losses) == len(train) and np.all(np.isfinite(losses))
   assert "train losses finite: True" in text
+  # Each stage ends with its extrapolation to 4x its length.
+  ends = [r for r in read_metrics(workdir) if r["split"] == "long_context"]
+  assert [(r["stage"], r["seq_len"]) for r in ends] == [(0, 32), (1, 64)]
+  assert "stage-end losses finite: True" in text
+  assert "passkey by length {128: " in text  # stage 0 reaches 4 x 32
   assert "loss by position up to 256: finite: True" in text
   assert "passkey grid (lengths x depths): (2, 3)" in text
   assert "MQAR grid (pairs x lengths): (2, 2)" in text
@@ -50,4 +55,5 @@ def test_long_context_notebook(tmp_path, monkeypatch):
   assert "MLA cache entries: ['c_kv', 'index']" in text
   images = [o for c in nb.cells if c.cell_type == "code"
             for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
-  assert len(images) == 4  # stages, loss by position, passkey, MQAR
+  # stages, stage ends, loss by position, passkey, MQAR
+  assert len(images) == 5

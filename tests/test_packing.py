@@ -15,7 +15,7 @@ import pytest
 
 from configs.default import get_config
 from moe_jax.config_validation import ConfigError, validate_config
-from moe_jax.data.pipeline import (TokenBatcher, make_datasets,
+from moe_jax.data.pipeline import (TokenBatcher, eval_batches, make_datasets,
                                    packing_kwargs, segment_ids_of)
 from moe_jax.data.stdlib_corpus import BOS
 from moe_jax.eval.step import apply_model
@@ -240,6 +240,14 @@ def test_document_windows_and_segment_ids():
   np.testing.assert_array_equal(
       segment_ids_of(np.array([[BOS, 1, BOS, BOS, 2]]), BOS),
       [[0, 0, 1, 2, 2]])
+  # Evaluation windows stay contiguous; they gain the same segment ids.
+  plain, = eval_batches(tokens, seq_len, 4, max_batches=1)
+  packed, = eval_batches(tokens, seq_len, 4, max_batches=1,
+                         document_start_token=BOS)
+  np.testing.assert_array_equal(packed["inputs"], plain["inputs"])
+  np.testing.assert_array_equal(packed["segment_ids"],
+                                segment_ids_of(plain["inputs"], BOS))
+  assert "segment_ids" not in plain
 
 
 def test_concat_windows_unchanged():

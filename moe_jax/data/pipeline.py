@@ -220,7 +220,8 @@ def num_eval_batches(num_tokens: int, seq_len: int, batch_size: int) -> int:
 
 def eval_batches(tokens: np.ndarray, seq_len: int, batch_size: int,
                  max_batches: int | None = None, process_index: int = 0,
-                 process_count: int = 1) -> Iterator[Batch]:
+                 process_count: int = 1,
+                 document_start_token: int | None = None) -> Iterator[Batch]:
   """Deterministic contiguous evaluation batches from the start of a split.
 
   Window w has inputs tokens[w*seq_len : (w+1)*seq_len] and targets shifted by
@@ -234,9 +235,13 @@ def eval_batches(tokens: np.ndarray, seq_len: int, batch_size: int,
     batch_size: global sequences per batch.
     max_batches: stop after this many batches (None: all full batches).
     process_index, process_count: this process's slice.
+    document_start_token: with data.packing='documents', the token that
+      starts a document: each batch also gets segment_ids (`segment_ids_of`;
+      a window that starts inside a document continues it as id 0).
 
   Yields:
-    dict(inputs=int32 [batch_size // process_count, seq_len], targets=same).
+    dict(inputs=int32 [batch_size // process_count, seq_len], targets=same
+    (, segment_ids=same)).
 
   Raises:
     ValueError (eagerly, at call time): bad arguments or not even one full
@@ -259,13 +264,18 @@ def eval_batches(tokens: np.ndarray, seq_len: int, batch_size: int,
     n_batches = min(n_batches, max_batches)
   local = batch_size // process_count
   return _eval_gen(tokens, seq_len, batch_size, n_batches,
-                   process_index * local, local)
+                   process_index * local, local, document_start_token)
 
 
-def _eval_gen(tokens, seq_len, batch_size, n_batches, lo, local):
+def _eval_gen(tokens, seq_len, batch_size, n_batches, lo, local,
+              document_start_token):
   for b in range(n_batches):
     windows = b * batch_size + lo + np.arange(local, dtype=np.int64)
-    yield _windows(tokens, windows * seq_len, seq_len)
+    batch = _windows(tokens, windows * seq_len, seq_len)
+    if document_start_token is not None:
+      batch["segment_ids"] = segment_ids_of(batch["inputs"],
+                                            document_start_token)
+    yield batch
 
 
 def _bincount(tokens: np.ndarray, vocab_size: int, name: str) -> np.ndarray:

@@ -303,8 +303,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   def run_eval(step, stage: Stage, eval_step, global_batch, answer_step):
     def batches(examples=None):
       if vision is None:
-        local = eval_batches(val_tokens, stage.seq_len, stage.batch_size,
-                             max_batches=tcfg.eval_batches, **process)
+        local = eval_batches(
+            val_tokens, stage.seq_len, stage.batch_size,
+            max_batches=tcfg.eval_batches, **process,
+            document_start_token=packing_kwargs(config.data).get(
+                "document_start_token"))
       else:
         local = vision.eval_batches(tcfg.eval_batches, **process,
                                     examples=examples)

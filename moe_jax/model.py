@@ -194,12 +194,12 @@ class HybridLM(nn.Module):
     sublayers = []
     for i, kind in enumerate(layer_kinds(c)):
       mixer = self._mixer(kind, i, decode)
-      if decode:
-        apply_mixer = lambda y, f=mixer: f(y, decode, new_sequence)  # noqa: E731
-      elif segment_ids is not None:
-        apply_mixer = lambda y, f=mixer: f(y, segment_ids=segment_ids)  # noqa: E731
-      else:
-        apply_mixer = mixer
+      def apply_mixer(y, f=mixer):
+        if decode:
+          return f(y, decode, new_sequence)
+        if segment_ids is not None:
+          return f(y, segment_ids=segment_ids)
+        return f(y)
       sublayers.append((f"layer_{i}_mixer_norm", apply_mixer))
       sublayers.append((f"layer_{i}_ffn_norm", self._ffn(i, decode)))
 

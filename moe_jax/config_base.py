@@ -118,6 +118,10 @@ def base_config() -> ml_collections.ConfigDict:
   d.max_bytes = 0               # 0 = the whole corpus
   d.seq_len = 128
   d.batch_size = 16             # global batch, sequences per step
+  # concat: windows anywhere, documents unmasked (ablation) | documents:
+  # windows from document starts with segment_ids; the model keeps documents
+  # apart (stdlib only; needs model.kda.backend='xla' for now).
+  d.packing = "concat"
   # data.source='vision' (moe_jax/data/vision.py): image-text examples.
   dv = d.vision = ml_collections.ConfigDict()
   dv.source = "shapes"          # shapes (generated scenes) | folder

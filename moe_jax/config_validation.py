@@ -216,6 +216,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   _int_range(config, "data.max_bytes", 0)
   _int_range(config, "data.seq_len", 2)
   _int_range(config, "data.batch_size", 1)
+  validate_packing_config(config)
 
   # Optimisation.
   _int_range(config, "train.steps", 1)
@@ -251,6 +252,30 @@ MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
 VISION_VOCAB_SIZE = 262
 VISION_QUESTION_TYPES = ("count", "colour", "position", "larger", "digit",
                          "caption")
+
+
+def validate_packing_config(config: ml_collections.ConfigDict) -> None:
+  """data.packing: 'documents' needs the stdlib corpus (documents are its
+  files), KDA on the XLA backend (the Pallas kernels do not take document
+  boundaries yet) and no context parallelism."""
+  if "packing" not in config.data:
+    return
+  _one_of(config, "data.packing", ("concat", "documents"))
+  if config.data.packing != "documents":
+    return
+  if config.data.source != "stdlib":
+    raise ConfigError("data.packing='documents' needs data.source='stdlib' "
+                      "(its documents are the corpus's files), got "
+                      f"{config.data.source!r}")
+  if config.model.kda.backend != "xla":
+    raise ConfigError(
+        "data.packing='documents' needs model.kda.backend='xla': the Pallas "
+        "kernels do not take document boundaries yet (and 'auto' picks them "
+        f"on a GPU), got {config.model.kda.backend!r}")
+  if "mesh" in config and config.mesh.get("context", 1) != 1:
+    raise ConfigError("data.packing='documents' needs mesh.context=1 (no "
+                      "context parallelism with document boundaries yet), "
+                      f"got {config.mesh.context}")
 
 
 def validate_vision_config(config: ml_collections.ConfigDict) -> None:

@@ -150,7 +150,8 @@ class HybridLM(nn.Module):
   @nn.compact
   def __call__(self, tokens: jax.Array, decode: bool = False,
                new_sequence: bool = False,
-               images: jax.Array | None = None) -> jax.Array:
+               images: jax.Array | None = None,
+               segment_ids: jax.Array | None = None) -> jax.Array:
     """tokens: int [B, T] -> logits fp32 [B, T, vocab_size].
 
     decode: the tokens continue the sequence held in the `cache` collection
@@ -164,6 +165,11 @@ class HybridLM(nn.Module):
       model.vision.encoder set: the embeddings at IMAGE_TOKEN placeholders
       become the images' projected patches, in order
       (moe_jax/layers/vision.py). None: text only.
+    segment_ids: int [B, T] or None, packed documents (a document is a run
+      of equal ids, data.packing='documents'): MLA attends within a
+      document and KDA's short convs and state restart at each document
+      start, so a packed row computes what each document alone would
+      (model.kda.backend 'xla' only for now; not with decode).
     """
     c = self.cfg
     dtype = _DTYPES[c.dtype]
@@ -188,9 +194,13 @@ class HybridLM(nn.Module):
     sublayers = []
     for i, kind in enumerate(layer_kinds(c)):
       mixer = self._mixer(kind, i, decode)
-      sublayers.append((f"layer_{i}_mixer_norm",
-                        lambda y, f=mixer: f(y, decode, new_sequence)
-                        if decode else f(y)))
+      def apply_mixer(y, f=mixer):
+        if decode:
+          return f(y, decode, new_sequence)
+        if segment_ids is not None:
+          return f(y, segment_ids=segment_ids)
+        return f(y)
+      sublayers.append((f"layer_{i}_mixer_norm", apply_mixer))
       sublayers.append((f"layer_{i}_ffn_norm", self._ffn(i, decode)))
 
     if c.residual == "standard":

@@ -7,6 +7,14 @@ and a resume reproduces an uninterrupted run exactly (docs/design.md §9). Every
 process draws the same global batch and keeps its own contiguous slice of rows,
 so the processes together see exactly the global batch.
 
+Packing (`data.packing`): "concat" draws windows anywhere in the stream
+(documents run into each other unmasked, the ablation); "documents" starts
+every window at a document start (or, inside a document longer than the
+window, at a multiple of seq_len from its start, so such a document continues
+window after window) and adds a per-token segment id: 0 at position 0, +1 at
+each document start (BOS) after it. The model then keeps documents apart
+(moe_jax/model.py); the window's last document may be cut at its end.
+
 Ground floor: numpy and the standard library only (no jax, nothing of ours
 outside this package).
 """
@@ -20,6 +28,7 @@ from moe_jax.data import stdlib_corpus
 from moe_jax.data import token_file
 
 SOURCES = ("stdlib", "token_file")
+PACKINGS = ("concat", "documents")
 
 Batch = dict[str, np.ndarray]
 
@@ -74,6 +83,43 @@ def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> Batch:
   return {"inputs": win[:, :-1], "targets": win[:, 1:]}
 
 
+def check_packing(packing: Any) -> str:
+  if packing not in PACKINGS:
+    raise ValueError(
+        f"data.packing must be one of {list(PACKINGS)}, got {packing!r}")
+  return packing
+
+
+def window_starts_of_documents(tokens: np.ndarray, seq_len: int,
+                               document_start_token: int) -> np.ndarray:
+  """Allowed window starts for data.packing='documents': int64 [m], sorted.
+
+  Each document (from a `document_start_token` to the next, the stream's
+  first token starting one too) contributes its start and, when longer than
+  seq_len, every seq_len-th position after it; starts too late for a full
+  window of seq_len + 1 tokens are dropped.
+  """
+  n = tokens.shape[0]
+  chunk = 1 << 24
+  starts = [np.flatnonzero(np.asarray(tokens[i:i + chunk]) ==
+                           document_start_token) + i
+            for i in range(0, n, chunk)]
+  doc_starts = np.unique(np.concatenate([np.zeros(1, np.int64)] + starts))
+  doc_ends = np.append(doc_starts[1:], n)
+  pieces = -(-(doc_ends - doc_starts) // seq_len)
+  offsets = np.arange(pieces.sum()) - np.repeat(np.cumsum(pieces) - pieces,
+                                                pieces)
+  out = np.repeat(doc_starts, pieces) + offsets * seq_len
+  return out[out <= n - seq_len - 1].astype(np.int64)
+
+
+def segment_ids_of(inputs: np.ndarray, document_start_token: int) -> np.ndarray:
+  """int32 [b, T]: 0 at position 0, +1 at each document start after it."""
+  is_start = inputs == document_start_token
+  is_start[:, 0] = False
+  return np.cumsum(is_start, axis=1, dtype=np.int32)
+
+
 class TokenBatcher:
   """Infinite stream of random training windows; batch(step) is pure.
 
@@ -84,11 +130,15 @@ class TokenBatcher:
     local_batch_size: batch_size // process_count, the rows this process gets.
     seed: non-negative integer.
     process_index, process_count: this process's slice of the global batch.
+    packing: "concat" | "documents" (module docstring).
+    document_start_token: the id that starts every document (stdlib BOS);
+      required with packing "documents".
   """
 
   def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int,
                seed: int = 0, process_index: int = 0,
-               process_count: int = 1):
+               process_count: int = 1, packing: str = "concat",
+               document_start_token: int | None = None):
     self.seq_len = _check_int("data.seq_len", seq_len, 1)
     self.batch_size = _check_int("data.batch_size", batch_size, 1)
     self.seed = _check_int("seed", seed, 0)
@@ -96,6 +146,19 @@ class TokenBatcher:
         self.batch_size, process_index, process_count)
     self.tokens = _check_tokens(tokens, self.seq_len, "training tokens")
     self.local_batch_size = self.batch_size // self.process_count
+    self.packing = check_packing(packing)
+    self.document_start_token = document_start_token
+    self._allowed_starts = None
+    if packing == "documents":
+      if document_start_token is None:
+        raise ValueError("data.packing='documents' needs the token that "
+                         "starts a document (document_start_token)")
+      self._allowed_starts = window_starts_of_documents(
+          self.tokens, self.seq_len, document_start_token)
+      if not self._allowed_starts.size:
+        raise ValueError(
+            f"data.packing='documents': no document start leaves room for a "
+            f"window of data.seq_len + 1 = {self.seq_len + 1} tokens")
     self._step = 0
 
   def global_starts(self, step: int) -> np.ndarray:
@@ -103,6 +166,9 @@ class TokenBatcher:
     step = _check_int("step", step, 0)
     rng = np.random.Generator(
         np.random.PCG64(np.random.SeedSequence([self.seed, step])))
+    if self._allowed_starts is not None:
+      return self._allowed_starts[rng.integers(
+          0, self._allowed_starts.size, size=self.batch_size, dtype=np.int64)]
     # Window [start, start + seq_len] must fit: start <= n - seq_len - 1.
     high = self.tokens.shape[0] - self.seq_len
     return rng.integers(0, high, size=self.batch_size, dtype=np.int64)
@@ -113,11 +179,16 @@ class TokenBatcher:
     Returns:
       dict(inputs=int32 [local_batch_size, seq_len],
            targets=int32 [local_batch_size, seq_len]); targets[:, t] is the
-      token after inputs[:, t].
+      token after inputs[:, t]. With packing "documents" also
+      segment_ids=int32 [local_batch_size, seq_len].
     """
     lo = self.process_index * self.local_batch_size
     starts = self.global_starts(step)[lo:lo + self.local_batch_size]
-    return _windows(self.tokens, starts, self.seq_len)
+    batch = _windows(self.tokens, starts, self.seq_len)
+    if self.packing == "documents":
+      batch["segment_ids"] = segment_ids_of(batch["inputs"],
+                                            self.document_start_token)
+    return batch
 
   def get_state(self) -> dict[str, int]:
     """{'step': next step to yield}; checkpoint this with the model."""
@@ -149,7 +220,8 @@ def num_eval_batches(num_tokens: int, seq_len: int, batch_size: int) -> int:
 
 def eval_batches(tokens: np.ndarray, seq_len: int, batch_size: int,
                  max_batches: int | None = None, process_index: int = 0,
-                 process_count: int = 1) -> Iterator[Batch]:
+                 process_count: int = 1,
+                 document_start_token: int | None = None) -> Iterator[Batch]:
   """Deterministic contiguous evaluation batches from the start of a split.
 
   Window w has inputs tokens[w*seq_len : (w+1)*seq_len] and targets shifted by
@@ -163,9 +235,13 @@ def eval_batches(tokens: np.ndarray, seq_len: int, batch_size: int,
     batch_size: global sequences per batch.
     max_batches: stop after this many batches (None: all full batches).
     process_index, process_count: this process's slice.
+    document_start_token: with data.packing='documents', the token that
+      starts a document: each batch also gets segment_ids (`segment_ids_of`;
+      a window that starts inside a document continues it as id 0).
 
   Yields:
-    dict(inputs=int32 [batch_size // process_count, seq_len], targets=same).
+    dict(inputs=int32 [batch_size // process_count, seq_len], targets=same
+    (, segment_ids=same)).
 
   Raises:
     ValueError (eagerly, at call time): bad arguments or not even one full
@@ -188,13 +264,18 @@ def eval_batches(tokens: np.ndarray, seq_len: int, batch_size: int,
     n_batches = min(n_batches, max_batches)
   local = batch_size // process_count
   return _eval_gen(tokens, seq_len, batch_size, n_batches,
-                   process_index * local, local)
+                   process_index * local, local, document_start_token)
 
 
-def _eval_gen(tokens, seq_len, batch_size, n_batches, lo, local):
+def _eval_gen(tokens, seq_len, batch_size, n_batches, lo, local,
+              document_start_token):
   for b in range(n_batches):
     windows = b * batch_size + lo + np.arange(local, dtype=np.int64)
-    yield _windows(tokens, windows * seq_len, seq_len)
+    batch = _windows(tokens, windows * seq_len, seq_len)
+    if document_start_token is not None:
+      batch["segment_ids"] = segment_ids_of(batch["inputs"],
+                                            document_start_token)
+    yield batch
 
 
 def _bincount(tokens: np.ndarray, vocab_size: int, name: str) -> np.ndarray:
@@ -280,6 +361,8 @@ def make_datasets(data_config: Any, process_index: int = 0,
     max_bytes [None]: stdlib token cap, None or 0 = whole corpus.
     seq_len, batch_size (global): required, >= 1.
     seed [0]: >= 0.
+    packing ['concat']: 'concat' | 'documents' (stdlib only: documents are
+      its files, each starting with BOS).
 
   Args:
     data_config: the fields above.
@@ -302,6 +385,10 @@ def make_datasets(data_config: Any, process_index: int = 0,
   batch_size = _check_int("data.batch_size",
                           _get(data_config, "batch_size", required=True), 1)
   seed = _check_int("data.seed", _get(data_config, "seed", 0), 0)
+  packing = check_packing(_get(data_config, "packing", "concat"))
+  if packing == "documents" and source != "stdlib":
+    raise ValueError(f"data.packing='documents' needs data.source='stdlib' "
+                     f"(its documents are the corpus's files), got {source!r}")
   _check_process(batch_size, process_index, process_count)
   val_fraction = _get(data_config, "val_fraction", 0.05)
   val_path = _get(data_config, "val_path", "") or None
@@ -340,5 +427,15 @@ def make_datasets(data_config: Any, process_index: int = 0,
           f"{name} split has {n} tokens, fewer than data.seq_len + 1 = "
           f"{seq_len + 1}; lower data.seq_len or {hint}")
   train = TokenBatcher(splits["train"], seq_len, batch_size, seed,
-                       process_index, process_count)
+                       process_index, process_count,
+                       **packing_kwargs(data_config))
   return train, splits["val"], splits["train"], vocab_size
+
+
+def packing_kwargs(data_config: Any) -> dict:
+  """TokenBatcher's packing keywords for the `data` section of a config."""
+  packing = check_packing(_get(data_config, "packing", "concat"))
+  if packing == "concat":
+    return {}
+  return {"packing": packing,
+          "document_start_token": stdlib_corpus.BOS}

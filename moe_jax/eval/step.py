@@ -34,9 +34,12 @@ def cross_entropy(logits: jax.Array, targets: jax.Array,
 
 
 def apply_model(model: nn.Module, variables, batch: dict, **kwargs):
-  """model.apply on batch["inputs"], with batch["images"] when it has any."""
+  """model.apply on batch["inputs"], with batch["images"] and
+  batch["segment_ids"] (packed documents) when it has them."""
   if "images" in batch:
     kwargs["images"] = batch["images"]
+  if "segment_ids" in batch:
+    kwargs["segment_ids"] = batch["segment_ids"]
   return model.apply(variables, batch["inputs"], **kwargs)
 
 

@@ -34,7 +34,8 @@ from pallas_kernels.linear_attention.kda.tuning import Tuning as KdaTuning
 
 
 def causal_depthwise_conv(x: jax.Array, kernel: jax.Array,
-                          state: jax.Array | None = None):
+                          state: jax.Array | None = None,
+                          segment_ids: jax.Array | None = None):
   """Depthwise causal conv over time: y_t = sum_j kernel[j] * x_{t-W+1+j}.
 
   Args:
@@ -42,6 +43,8 @@ def causal_depthwise_conv(x: jax.Array, kernel: jax.Array,
     kernel: [W, C] taps; kernel[-1] multiplies the current token.
     state: optional [B, W-1, C], the W-1 inputs before x (decoding); zeros
       when None (start of a sequence).
+    segment_ids: optional [B, T] int (packed documents): a tap reads only
+      inputs of the current token's document (never across a start).
   Returns:
     y [B, T, C] and the new state [B, W-1, C] (the last W-1 inputs).
   """
@@ -51,7 +54,15 @@ def causal_depthwise_conv(x: jax.Array, kernel: jax.Array,
     state = jnp.zeros((b, width - 1, c), x.dtype)
   xp = jnp.concatenate([state.astype(x.dtype), x], axis=1)
   t = x.shape[1]
-  y = sum(xp[:, j:j + t] * kernel[j].astype(x.dtype) for j in range(width))
+  if segment_ids is None:
+    taps = [xp[:, j:j + t] for j in range(width)]
+  else:
+    # The state positions count as the first document's (decoding resumes it).
+    sp = jnp.concatenate([jnp.broadcast_to(segment_ids[:, :1], (b, width - 1)),
+                          segment_ids], axis=1)
+    taps = [jnp.where((sp[:, j:j + t] == segment_ids)[..., None],
+                      xp[:, j:j + t], 0) for j in range(width)]
+  y = sum(tap * kernel[j].astype(x.dtype) for j, tap in enumerate(taps))
   return y, xp[:, xp.shape[1] - (width - 1):]
 
 
@@ -138,8 +149,14 @@ class KDA(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, decode: bool = False,
-               new_sequence: bool = False) -> jax.Array:
+               new_sequence: bool = False,
+               segment_ids: jax.Array | None = None) -> jax.Array:
     """x: [B, T, D] -> [B, T, D].
+
+    segment_ids: optional [B, T] int, packed documents (a document is a run
+      of equal ids): the short convs do not read across a document start
+      and the recurrence restarts from zero at each one (XLA backend only;
+      not with decode or context parallelism).
 
     decode: continue from the `cache` collection (make it mutable) and
       update it: T > 1 (prefill) runs the chunked op from the cached state,
@@ -150,6 +167,11 @@ class KDA(nn.Module):
     b, t, _ = x.shape
     h = self.num_heads
     dk = self.d_model // h
+    n_ctx = mesh_utils.axis_size(self.mesh_axes.context)
+    if segment_ids is not None and (decode or (n_ctx > 1 and t % n_ctx == 0)):
+      raise NotImplementedError(
+          "KDA: segment_ids (packed documents) are not supported with decode "
+          "or context parallelism (mesh.context > 1)")
     def dense(n, name, axes, init=DEFAULT_KERNEL_INIT):
       return nn.Dense(n, use_bias=False, dtype=self.dtype,
                       param_dtype=self.param_dtype,
@@ -168,7 +190,7 @@ class KDA(nn.Module):
         y, tail.value = causal_depthwise_conv(
             proj, kernel, None if new_sequence else tail.value)
       else:
-        y, _ = causal_depthwise_conv(proj, kernel)
+        y, _ = causal_depthwise_conv(proj, kernel, segment_ids=segment_ids)
       return jax.nn.silu(y).reshape(b, t, h, dk)
 
     q = l2_normalize(conv_branch("q"), self.norm_eps)
@@ -192,7 +214,6 @@ class KDA(nn.Module):
                  pallas_options=None if self.pallas_stages == "auto" else dict(
                      tune=KdaTuning(state_pass=self.pallas_stages,
                                     output_kernel=self.pallas_stages)))
-    n_ctx = mesh_utils.axis_size(self.mesh_axes.context)
     if decode:
       state = self.variable("cache", "state", jnp.zeros, (b, h, dk, dk),
                             jnp.float32)
@@ -212,7 +233,7 @@ class KDA(nn.Module):
                                   axis=self.mesh_axes.context,
                                   batch_axes=b_axes, head_axes=h_axes, **op_kw)
     else:
-      o, _ = kda_op(q, k, v, g, beta, **op_kw)
+      o, _ = kda_op(q, k, v, g, beta, segment_ids=segment_ids, **op_kw)
 
     # Per-head RMSNorm with a scale shared across heads, then the output gate.
     o_scale = self.param("o_norm_scale", with_axes(nn.initializers.ones,

@@ -68,8 +68,13 @@ class GatedMLA(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, decode: bool = False,
-               new_sequence: bool = False) -> jax.Array:
+               new_sequence: bool = False,
+               segment_ids: jax.Array | None = None) -> jax.Array:
     """x: [B, T, D] -> [B, T, D].
+
+    segment_ids: optional [B, T] int, packed documents: a token attends only
+      to earlier tokens of its own document (causal AND same id), with the
+      XLA attention (not with decode or context parallelism).
 
     decode: attend over the `cache` collection (make it mutable) after
       appending this call's T latents at its `index`; created with zeros and
@@ -104,13 +109,17 @@ class GatedMLA(nn.Module):
     c_kv = RMSNorm(self.norm_eps, name="kv_norm")(
         dense(self.kv_lora_rank, "kv_down", ("embed", None))(x))
     n_ctx = mesh_utils.axis_size(self.mesh_axes.context)
+    if segment_ids is not None and (decode or (n_ctx > 1 and t % n_ctx == 0)):
+      raise NotImplementedError(
+          "MLA: segment_ids (packed documents) are not supported with decode "
+          "or context parallelism (mesh.context > 1)")
     if decode:
       o = self._cached_attention(x, q, c_kv, dense, new_sequence)
     elif n_ctx > 1 and t % n_ctx == 0:
       # Context parallel: gather the small latent, not the keys and values.
       o = self._context_attention(x, q, c_kv, dense)
     else:
-      o = self._attention(x, q, c_kv, dense)
+      o = self._attention(x, q, c_kv, dense, segment_ids=segment_ids)
 
     gate = jax.nn.sigmoid(dense(h * dv, "gate_proj", ("embed", "heads"))(x))
     return dense(self.d_model, "o_proj", ("heads", "embed"),
@@ -201,10 +210,13 @@ class GatedMLA(nn.Module):
     o = jnp.einsum("bthr,rhv->bthv", ctx, w_uv)
     return o.reshape(b, t, h * dv).astype(self.dtype)
 
-  def _attention(self, x, q, c_kv, dense, k_rope=None):
+  def _attention(self, x, q, c_kv, dense, k_rope=None, segment_ids=None):
     """Single-device (or compiler-partitioned) attention; o [B, T, H * Dv].
 
     k_rope: the rotated rotary key [B, T, 1, R] when already computed.
+    segment_ids: [B, T] or None; with ids, a same-document mask on top of
+      the causal one, run by the XLA implementation (a dense [B, 1, T, T]
+      mask; the cuDNN path with a mask is not verified here).
     """
     b, t, _ = x.shape
     h, dn, dr, dv = (self.num_heads, self.qk_nope_head_dim,
@@ -229,8 +241,13 @@ class GatedMLA(nn.Module):
         a, ((0, 0), (0, 0), (0, 0), (0, width - a.shape[-1])))
     q, k, vp = pad(q), pad(k), pad(v)
     impl = None if self.attention_impl == "auto" else self.attention_impl
+    mask = None
+    if segment_ids is not None:
+      mask = (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+      impl = "xla"
     o = jax.nn.dot_product_attention(
-        q, k, vp, is_causal=True, scale=dqk ** -0.5, implementation=impl)
+        q, k, vp, mask=mask, is_causal=True, scale=dqk ** -0.5,
+        implementation=impl)
     return o[..., :dv].reshape(b, t, h * dv)
 
 

@@ -35,6 +35,7 @@ from moe_jax.config_validation import (ConfigError, check_resume_config,
 from moe_jax.curriculum import Stage, stages_of, warmup_restarts
 from moe_jax.data import (TokenBatcher, eval_batches, make_datasets,
                           unigram_bits_per_byte)
+from moe_jax.data.pipeline import packing_kwargs
 from moe_jax.data.vision import VisionData
 from moe_jax.eval import long_context
 from moe_jax.eval.evaluate import evaluate
@@ -197,7 +198,7 @@ def _check_stages_fit(config, stages: list[Stage], train_tokens, val_tokens,
              else f"data.seq_len={stage.seq_len}")
     try:
       TokenBatcher(train_tokens, stage.seq_len, stage.batch_size, config.seed,
-                   **process)
+                   **process, **packing_kwargs(config.data))
       eval_batches(val_tokens, stage.seq_len, stage.batch_size,
                    max_batches=1, **process)
     except ValueError as e:
@@ -302,8 +303,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   def run_eval(step, stage: Stage, eval_step, global_batch, answer_step):
     def batches(examples=None):
       if vision is None:
-        local = eval_batches(val_tokens, stage.seq_len, stage.batch_size,
-                             max_batches=tcfg.eval_batches, **process)
+        local = eval_batches(
+            val_tokens, stage.seq_len, stage.batch_size,
+            max_batches=tcfg.eval_batches, **process,
+            document_start_token=packing_kwargs(config.data).get(
+                "document_start_token"))
       else:
         local = vision.eval_batches(tcfg.eval_batches, **process,
                                     examples=examples)
@@ -407,7 +411,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
 
       train_iter = (vision.train if vision is not None else
                     TokenBatcher(train_tokens, stage.seq_len,
-                                 stage.batch_size, config.seed, **process))
+                                 stage.batch_size, config.seed, **process,
+                                 **packing_kwargs(config.data)))
       train_iter.set_state({"step": data_step})
       stage_rows = {"stage": stage.index, "seq_len": stage.seq_len}
       while step < stop:

@@ -33,6 +33,10 @@ from pallas_kernels.linear_attention.kda.naive import (
     chunk_kda_ref, recurrent_step_kda)
 
 BACKENDS = ("auto", "xla", "pallas", "interpret")
+DOCUMENTS_NEED_XLA = (
+    "kda: packed documents (segment_ids) run on the XLA backend only; the "
+    "Pallas kernels do not take document boundaries yet. Use "
+    "model.kda.backend='xla' (backend='auto' picks Pallas on a GPU)")
 CHUNK_SIZES = (16, 32, 64, 128)
 OPS = ("gla", "kda")
 _LOG = logging.getLogger(__name__)
@@ -254,7 +258,7 @@ def gla(q, k, v, g, *, scale=None, initial_state=None, backend="auto",
 
 
 def kda(q, k, v, g, beta, *, scale=None, initial_state=None, backend="auto",
-        chunk_size=64, g_min=None, pallas_options=None):
+        chunk_size=64, g_min=None, pallas_options=None, segment_ids=None):
   """Kimi delta attention (gated delta rule with per-channel decay).
 
   S_t = (I - beta_t k_t k_t^T) diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T,
@@ -272,8 +276,12 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, backend="auto",
     pallas_options: keyword options of the Pallas kernel (kda/chunk.py:
       tune, a kda.tuning.Tuning; bounded), used when the call runs it;
       ignored by the XLA oracle.
+    segment_ids: [B, T] int or None: packed documents (a document is a run
+      of equal ids); the state restarts from zero at each document start
+      (kda/naive.py chunk_kda_ref). XLA backend only for now.
   Returns:
-    o [B, T, H, V] in v.dtype, final state [B, H, K, V] fp32.
+    o [B, T, H, V] in v.dtype, final state [B, H, K, V] fp32 (of the row's
+    last document).
   """
   if len(_shape(beta)) != 3:
     raise ValueError(f"beta must have rank 3 [B, T, H], got shape "
@@ -281,6 +289,15 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, backend="auto",
   g_min = _validate(q, k, v, g, beta, initial_state, chunk_size, g_min)
   impl, g_min = _resolve("kda", backend, chunk_size=chunk_size, g_min=g_min,
                          dims=(_shape(q)[3], _shape(v)[3]))
+  if segment_ids is not None:
+    if impl is not _xla_kda:
+      raise NotImplementedError(DOCUMENTS_NEED_XLA)
+    if _shape(segment_ids) != _shape(q)[:2]:
+      raise ValueError(f"segment_ids must have shape [B, T]={_shape(q)[:2]}, "
+                       f"got {_shape(segment_ids)}")
+    return chunk_kda_ref(q, k, v, g, beta, scale=scale,
+                         initial_state=initial_state, chunk_size=chunk_size,
+                         segment_ids=segment_ids)
   impl = _with_pallas_options("kda", impl, pallas_options)
   return impl(q, k, v, g, beta, scale=scale, initial_state=initial_state,
               chunk_size=chunk_size, g_min=g_min)

@@ -54,10 +54,12 @@ def from_chunks(o, t, dtype):
   return o[:, :t].astype(dtype)
 
 
-def pair_decays(b_cum):
+def pair_decays(b_cum, same_doc=None):
   """exp(b_i - b_j) on position pairs j <= i, zero above the diagonal.
 
   b_cum: [..., C, K] within-chunk cumulative log decay (non-increasing).
+  same_doc: optional bool [..., C, C] broadcastable to b_cum's batch dims;
+    pairs of different documents are zeroed too (packed documents).
   Returns [..., C, C, K]. The mask is applied to the exponent (-inf above the
   diagonal) BEFORE the exp: for j > i, b_i - b_j >= 0 can be arbitrarily
   large under unbounded decay and exp would overflow (and poison gradients
@@ -65,6 +67,8 @@ def pair_decays(b_cum):
   """
   c = b_cum.shape[-2]
   causal = jnp.tril(jnp.ones((c, c), bool))[:, :, None]
+  if same_doc is not None:
+    causal = causal & same_doc[..., None]
   diff = b_cum[..., :, None, :] - b_cum[..., None, :, :]
   return jnp.exp(jnp.where(causal, diff, -jnp.inf))
 

@@ -1,5 +1,11 @@
 """Pure-JAX oracles for KDA: the per-token recurrence, the chunked
-algorithm and the one-token step (see gla/naive.py for the conventions)."""
+algorithm and the one-token step (see gla/naive.py for the conventions).
+
+Packed documents: with `segment_ids` [B, T] (a document is a run of equal
+ids) the recurrence restarts from a zero state at each document start inside
+a row, so a packed row computes what each document alone would; the state
+given as `initial_state` belongs to the row's first document.
+"""
 from __future__ import annotations
 
 import jax
@@ -38,24 +44,41 @@ def recurrent_step_kda(q, k, v, g, beta, state, *, scale=None):
   return o.astype(v.dtype), s
 
 
-def naive_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None):
+def document_starts(segment_ids):
+  """[B, T] segment ids -> bool [B, T], True where a new document starts
+  inside the row (never at position 0: the row's first document takes the
+  initial state)."""
+  prev = jnp.concatenate([segment_ids[:, :1], segment_ids[:, :-1]], axis=1)
+  return segment_ids != prev
+
+
+def naive_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None,
+                        segment_ids=None):
   """Per-token KDA (gated delta rule) recurrence (ground truth).
 
   Args:
     q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H];
     initial_state: [B, H, K, V] or None.
+    segment_ids: [B, T] int or None; the state is zeroed before the first
+      token of each new document.
   Returns:
-    o [B, T, H, V] in v.dtype, final state [B, H, K, V] fp32.
+    o [B, T, H, V] in v.dtype, final state [B, H, K, V] fp32 (of the row's
+    last document).
   """
-  b, _, h, dk = q.shape
+  b, t, h, dk = q.shape
   scale = default_scale(scale, dk)
   s0 = init_state(initial_state, b, h, dk, v.shape[-1])
+  starts = (jnp.zeros((b, t), bool) if segment_ids is None
+            else document_starts(segment_ids))
 
   def body(s, xs):
+    *xs, start = xs
+    s = jnp.where(start[:, None, None, None], 0.0, s)
     o, s = _step_kda_f32(*xs, s, scale)
     return s, o
 
-  s, o = jax.lax.scan(body, s0, tuple(map(time_major, (q, k, v, g, beta))))
+  s, o = jax.lax.scan(body, s0, tuple(map(time_major, (q, k, v, g, beta)))
+                      + (jnp.moveaxis(starts, 1, 0),))
   return jnp.moveaxis(o, 0, 1).astype(v.dtype), s
 
 
@@ -86,7 +109,7 @@ def unit_lower_triangular_inverse(n: jax.Array) -> jax.Array:
 
 
 def chunk_kda_ref(q, k, v, g, beta, *, scale=None, initial_state=None,
-                  chunk_size=64):
+                  chunk_size=64, segment_ids=None):
   """Chunked KDA (gated delta rule) in pure JAX (docs/design.md §4), safe for any g <= 0.
 
   Per chunk with start state S and within-chunk decay cumsum b:
@@ -98,13 +121,26 @@ def chunk_kda_ref(q, k, v, g, beta, *, scale=None, initial_state=None,
   (I + L) is unit lower triangular; `unit_lower_triangular_inverse` inverts
   it by forward substitution (see there for why not a LAPACK solve).
 
+  Packed documents (segment_ids): chunks may straddle documents. Let p be
+  the document of the token before the chunk (the row's first document for
+  the first chunk) and l the document of the chunk's last token. Then
+    - position pairs (i, j) of different documents are masked out of L and
+      Aqk (M becomes block diagonal by document);
+    - only tokens of document p read the carried state S (their rows of
+      exp(b) in W and in q exp(b) are kept, the others zeroed);
+    - S <- [l == p] diag(exp(b_C)) S + sum over tokens j of document l,
+  which is exactly the per-document recurrence restarted from zero.
+
   Args:
     q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; any T.
     scale: default K**-0.5.
     initial_state: [B, H, K, V] or None (zeros).
     chunk_size: chunk length C.
+    segment_ids: [B, T] int or None (one document per row); a document is a
+      contiguous run of equal ids.
   Returns:
-    o [B, T, H, V] in v.dtype, final state [B, H, K, V] fp32.
+    o [B, T, H, V] in v.dtype, final state [B, H, K, V] fp32 (of the row's
+    last document).
   """
   check_chunk_size(chunk_size)
   bsz, t, h, dk = q.shape
@@ -115,17 +151,28 @@ def chunk_kda_ref(q, k, v, g, beta, *, scale=None, initial_state=None,
   betac = to_chunks(beta, chunk_size)[..., None]  # [B, H, N, C, 1]
 
   b_cum, eb, eb_last, eb_rest = chunk_decays(gc)
-  decay = pair_decays(b_cum)  # [B, H, N, C, C, K], zero above the diagonal
+  same_doc = reads_state = in_last = keeps_state = None
+  if segment_ids is not None:
+    same_doc, reads_state, in_last, keeps_state = _chunk_document_masks(
+        segment_ids, chunk_size)
+    eb_read = eb * reads_state
+    eb_rest = eb_rest * in_last
+  else:
+    eb_read = eb
+  # [B, H, N, C, C, K], zero above the diagonal (and across documents).
+  decay = pair_decays(b_cum, same_doc)
   aqk = pair_scores(qc, kc, decay)
   strict = jnp.tril(jnp.ones((chunk_size, chunk_size), bool), -1)
   lmat = jnp.where(strict, betac * pair_scores(kc, kc, decay), 0.0)
 
   # [W | U] = (I + L)^-1 [beta k exp(b) | beta v], both at once.
-  rhs = jnp.concatenate([betac * kc * eb, betac * vc], axis=-1)
+  rhs = jnp.concatenate([betac * kc * eb_read, betac * vc], axis=-1)
   wu = jnp.einsum("bhnij,bhnjd->bhnid", unit_lower_triangular_inverse(lmat),
                   rhs, precision=PREC)
   w, u = wu[..., :dk], wu[..., dk:]
   k_to_end = kc * eb_rest
+  if keeps_state is not None:
+    eb_last = eb_last * keeps_state
 
   def step(s, xs):
     w_n, u_n, kd, e_last = xs
@@ -135,6 +182,34 @@ def chunk_kda_ref(q, k, v, g, beta, *, scale=None, initial_state=None,
     return s_next, (s, v_new)
 
   s_final, (s_in, v_new) = scan_chunks(step, s0, (w, u, k_to_end, eb_last))
-  o = scale * (jnp.einsum("bhnck,bhnkv->bhncv", qc * eb, s_in, precision=PREC)
+  o = scale * (jnp.einsum("bhnck,bhnkv->bhncv", qc * eb_read, s_in,
+                          precision=PREC)
                + jnp.einsum("bhnij,bhnjv->bhniv", aqk, v_new, precision=PREC))
   return from_chunks(o, t, v.dtype), s_final
+
+
+def _chunk_document_masks(segment_ids, chunk_size):
+  """Per-chunk document masks for `chunk_kda_ref` (fp32 0/1 except same_doc).
+
+  Args:
+    segment_ids: [B, T] int; padded up to N*C with the last id (the zero
+      padding of `to_chunks` then joins the row's last document, neutral).
+  Returns:
+    same_doc bool [B, 1, N, C, C] (pair (i, j) in one document),
+    reads_state [B, 1, N, C, 1] (token in the document of the token before
+      the chunk), in_last [B, 1, N, C, 1] (token in the chunk's last
+      document), keeps_state [B, 1, N, 1] (the chunk has no document start).
+  """
+  b, t = segment_ids.shape
+  n = -(-t // chunk_size)
+  seg = jnp.pad(segment_ids, [(0, 0), (0, n * chunk_size - t)], mode="edge")
+  seg = seg.reshape(b, 1, n, chunk_size)
+  # Document of the token before each chunk; the first chunk's is its own
+  # first token's (the initial state belongs to the row's first document).
+  before = jnp.concatenate([seg[:, :, :1, 0], seg[:, :, :-1, -1]], axis=2)
+  last = seg[..., -1]
+  same_doc = seg[..., :, None] == seg[..., None, :]
+  reads_state = (seg == before[..., None]).astype(F32)[..., None]
+  in_last = (seg == last[..., None]).astype(F32)[..., None]
+  keeps_state = (last == before).astype(F32)[..., None]
+  return same_doc, reads_state, in_last, keeps_state

@@ -106,18 +106,6 @@ def get_config(arg: str | None = None):
   return apply_variant(c, ",".join(variants), gpu_small.VARIANTS)
 
 
-def _balancing_entries():
-  return [
-      {"name": "qb-exact", "overrides": {"model.moe.balancing": "qb",
-                                         "model.moe.qb_estimator": "exact"}},
-      {"name": "qb-histogram", "overrides": {
-          "model.moe.balancing": "qb", "model.moe.qb_estimator": "histogram"}},
-      {"name": "sign", "overrides": {"model.moe.balancing": "sign"}},
-      {"name": "aux", "overrides": {"model.moe.balancing": "aux"}},
-      {"name": "none", "overrides": {"model.moe.balancing": "none"}},
-  ]
-
-
 def _claim(text, column, candidate, baseline, claim, scale=1.0):
   return {"text": text, "column": column, "candidate": candidate,
           "baseline": baseline, "claim": claim, "scale": scale}
@@ -186,7 +174,8 @@ def get_sweep(arg: str | None = None):
                      "val_loss", e["name"], "unbounded", "no_higher")
               for e in entries[1:]]
   else:  # balancing, balancing_extreme
-    entries = _balancing_entries()
+    # The strategies of configs/ablations.py's load-balancing sweep.
+    entries = _load("ablations.py").get_sweep()
     baseline = "sign"
     claims = []
     for qb in ("qb-exact", "qb-histogram"):

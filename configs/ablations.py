@@ -10,18 +10,7 @@ A tiny, fast version (what the tests and notebook 02 use):
 On a GPU, against the ~100M model:
   python -m experiments.sweep --config=configs/ablations.py:gpu_small --workdir=runs/abl_gpu
 """
-import importlib.util
-import os
-
-from moe_jax.config_base import apply_variant
-
-
-def _load(name):
-  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
-  spec = importlib.util.spec_from_file_location(name[:-3], path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+from moe_jax.config_base import apply_variant, load_config_file
 
 
 def get_config(arg: str | None = None):
@@ -33,8 +22,9 @@ def get_config(arg: str | None = None):
   names = [a for a in (arg or "").split(",") if a]
   if "gpu_small" in names:
     names.remove("gpu_small")
-    return _load("gpu_small.py").get_config(",".join(names))
-  default = _load("default.py")
+    gpu_small = load_config_file("gpu_small.py", __file__)
+    return gpu_small.get_config(",".join(names))
+  default = load_config_file("default.py", __file__)
   return apply_variant(default.get_config(), ",".join(names), default.VARIANTS)
 
 

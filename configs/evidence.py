@@ -36,10 +36,7 @@ residuals sweep has block-4 and block-2):
   python -m experiments.sweep --config=configs/evidence.py:residuals,tiny \
       --workdir=/tmp/ev_res --seeds=0,1
 """
-import importlib.util
-import os
-
-from moe_jax.config_base import apply_variant, setter
+from moe_jax.config_base import apply_variant, load_config_file, setter
 
 SWEEPS = ("residuals", "residual_length", "decay", "balancing",
           "balancing_extreme")
@@ -52,14 +49,6 @@ LENGTHS = {"gpu_small": (256, 1024, 4096), "tiny": (16, 32, 64)}
 TOKENS_PER_STEP = {"gpu_small": 32 * 1024, "tiny": 4 * 32}
 LENGTH_BLOCK_SIZE = 2
 G_MINS = (-5.0, -2.0)
-
-
-def _load(name):
-  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
-  spec = importlib.util.spec_from_file_location(name[:-3], path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
 
 
 def _parse(arg: str | None) -> tuple[str, list[str]]:
@@ -81,7 +70,7 @@ _SWEEP_BASE = {
     "decay": (setter(), setter()),
     "balancing": (setter(), setter()),
     "balancing_extreme": (
-        _load("gpu_small.py").VARIANTS["extreme"],
+        load_config_file("gpu_small.py", __file__).VARIANTS["extreme"],
         setter(**{"model.moe.num_experts": 32, "model.moe.top_k": 8,
                   "model.moe.d_expert": 8})),
 }
@@ -92,11 +81,11 @@ def get_config(arg: str | None = None):
   sweep, variants = _parse(arg)
   if "tiny" in variants:
     variants.remove("tiny")
-    default = _load("default.py")
+    default = load_config_file("default.py", __file__)
     c = apply_variant(default.get_config(), "tiny,smoke", default.VARIANTS)
     _SWEEP_BASE[sweep][1](c)
     return apply_variant(c, ",".join(variants), default.VARIANTS)
-  gpu_small = _load("gpu_small.py")
+  gpu_small = load_config_file("gpu_small.py", __file__)
   c = gpu_small.get_config()
   c.train.steps = 1000
   c.train.warmup_steps = 100
@@ -175,7 +164,7 @@ def get_sweep(arg: str | None = None):
               for e in entries[1:]]
   else:  # balancing, balancing_extreme
     # The strategies of configs/ablations.py's load-balancing sweep.
-    entries = _load("ablations.py").get_sweep()
+    entries = load_config_file("ablations.py", __file__).get_sweep()
     baseline = "sign"
     claims = []
     for qb in ("qb-exact", "qb-histogram"):

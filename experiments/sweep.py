@@ -32,14 +32,13 @@ reproduced, not reproduced or within noise.
 """
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import json
 import os
 
 import numpy as np
 
-from moe_jax.config_base import setter
+from moe_jax.config_base import load_config_file, setter
 from moe_jax.config_validation import validate_config
 from moe_jax.eval import sweep_stats
 from moe_jax.train.checkpoint import Checkpointer
@@ -74,9 +73,7 @@ def load_sweep(spec: str):
   get_sweep(arg) is called with the arg when it takes one.
   """
   path, _, arg = spec.partition(":")
-  module_spec = importlib.util.spec_from_file_location("sweep_config", path)
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
+  module = load_config_file(path)
   if not hasattr(module, "get_sweep"):
     raise ValueError(f"--config={path} has no get_sweep()")
   takes_arg = bool(inspect.signature(module.get_sweep).parameters)

@@ -7,6 +7,9 @@ value it must check. Ground floor: imports nothing of ours.
 """
 from __future__ import annotations
 
+import importlib.util
+import os
+import types
 from typing import Callable, Mapping
 
 import ml_collections
@@ -206,3 +209,18 @@ def apply_variant(config: ml_collections.ConfigDict, arg: str | None,
           f"{sorted(variants)}")
     variants[name](config)
   return config
+
+
+def load_config_file(path: str, beside: str | None = None) -> types.ModuleType:
+  """The module of a config file (configs/ is a folder, not a package).
+
+  beside: a file whose folder a relative `path` is taken from (a config
+  loading its sibling passes its own __file__).
+  """
+  if beside is not None and not os.path.isabs(path):
+    path = os.path.join(os.path.dirname(os.path.abspath(beside)), path)
+  name = os.path.splitext(os.path.basename(path))[0]
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module

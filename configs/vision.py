@@ -18,9 +18,18 @@ gpu (one GPU: d_model 256, 8 layers, bf16), tiny and smoke (tests,
 notebooks).
   python -m experiments.train --config=configs/vision.py:gpu --workdir=runs/vision_gpu
 """
-from moe_jax.config_base import apply_variant, base_config, setter
+from moe_jax.config_base import (apply_variant, base_config,
+                                 load_config_file, setter)
 
 _TYPES = "count,colour,position,larger,digit"
+
+
+def _tiny(config):
+  """configs/default.py's tiny model with a tiny encoder."""
+  load_config_file("default.py", __file__).VARIANTS["tiny"](config)
+  setter(**{"model.vision.width": 16, "model.vision.mlp_dim": 32,
+            "model.vision.num_layers": 1})(config)
+
 
 VARIANTS = {
     "linear": setter(**{"model.vision.encoder": "linear"}),
@@ -30,15 +39,7 @@ VARIANTS = {
                           "data.seq_len": 192}),
     "folder": setter(**{"data.vision.source": "folder",
                         "data.vision.text_fraction": 0.0}),
-    "tiny": setter(**{"model.d_model": 32, "model.num_layers": 2,
-                      "model.layer_pattern": "KM", "model.kda.chunk_size": 16,
-                      "model.kda.decay_rank": 8, "model.kda.gate_rank": 8,
-                      "model.mla.kv_lora_rank": 16,
-                      "model.mla.qk_nope_head_dim": 16,
-                      "model.mla.v_head_dim": 16, "model.moe.num_experts": 8,
-                      "model.moe.d_expert": 32, "model.moe.d_shared": 32,
-                      "model.vision.width": 16, "model.vision.mlp_dim": 32,
-                      "model.vision.num_layers": 1}),
+    "tiny": _tiny,
     # One GPU: d_model 256, 8 layers, bf16, 64 sequences per step.
     "gpu": setter(**{"model.d_model": 256, "model.num_layers": 8,
                      "model.dtype": "bfloat16", "model.kda.num_heads": 2,

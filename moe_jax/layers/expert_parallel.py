@@ -116,8 +116,9 @@ def ragged_experts(x, idx, w, w_gate, w_up, w_down, matmul="ragged_dot"):
   flat_e = idx.reshape(-1)                                       # [N*k]
   # Stable sort keeps token order inside each expert group (determinism).
   order = jnp.argsort(flat_e, stable=True).astype(jnp.int32)    # [N*k]
+  # order is a permutation: its scatter needs no atomics or ordering.
   inv = jnp.zeros_like(order).at[order].set(
-      jnp.arange(order.shape[0], dtype=order.dtype))
+      jnp.arange(order.shape[0], dtype=order.dtype), unique_indices=True)
   group_sizes = sorted_counts(flat_e[order], e).astype(jnp.int32)  # [E]
   xs = permute_rows(x, order, inv, k)                            # [N*k, D]
   ys = expert_ffn(xs, group_sizes, w_gate, w_up, w_down, matmul)  # [N*k, D]

@@ -1,0 +1,181 @@
+"""Packed documents (segment_ids) in the Pallas KDA kernels, interpret mode.
+
+Each packed row must compute what its documents compute alone: outputs,
+the final state (the row's last document's) and the gradients w.r.t. q, k,
+v, g, beta and the initial state (the row's first document's), against the
+chunked XLA reference with the same segment ids AND against the per-token
+recurrence run on each document alone. Rows of T = 150 (chunks 64, 64 and a
+partial 22):
+  * row 0, lengths [5, 90, 3, 1, 51]: documents start mid-chunk, the second
+    spans two chunks, chunk 1 holds four documents (one of a single token),
+    the last document crosses into the partial last chunk;
+  * row 1, lengths [64, 30, 56]: the first document fills chunk 0 exactly
+    (a start at a chunk boundary: chunk 1 reads no state), then a start
+    mid-chunk and a document over two chunks.
+Two configurations, each compiled once (module fixtures): fp32 on the
+bounded path and bf16 on the unbounded path (K = V = 16: the references
+compile once for both).
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.linear_attention import (
+    chunk_kda_ref, kda, naive_recurrent_kda)
+from pallas_kernels.linear_attention.common.documents import (
+    chunk_document_index)
+from pallas_kernels.linear_attention.kda.chunk import kda_pallas
+
+T = 150
+LENGTHS = ([5, 90, 3, 1, 51], [64, 30, 56])
+B = len(LENGTHS)
+G_MIN = -5.0
+GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "ds0")
+K = V = 16
+CONFIGS = {"fp32_bounded": (jnp.float32, G_MIN),   # name: (dtype, g_min)
+           "bf16_unbounded": (jnp.bfloat16, None)}
+
+
+def segment_ids():
+  return jnp.asarray(np.stack([np.repeat(np.arange(len(l)), l)
+                               for l in LENGTHS]), jnp.int32)
+
+
+def make_inputs(seed, dk=K, dv=V, h=1):
+  """q, k, v, g, beta, s0 and the cotangents (do, ds), fp32."""
+  rng = np.random.default_rng(seed)
+  normal = lambda *shape: rng.standard_normal(shape)  # noqa: E731
+  sigmoid = lambda x: 1.0 / (1.0 + np.exp(-x))  # noqa: E731
+  k = normal(B, T, h, dk)
+  k = k / np.linalg.norm(k, axis=-1, keepdims=True)
+  arrays = (normal(B, T, h, dk), k, normal(B, T, h, dv),
+            G_MIN * sigmoid(2.0 * normal(B, T, h, dk) - 2.0),
+            sigmoid(normal(B, T, h)), 0.5 * normal(B, h, dk, dv),
+            normal(B, T, h, dv), normal(B, h, dk, dv))
+  return tuple(jnp.asarray(a, jnp.float32) for a in arrays)
+
+
+def _documents_as_rows():
+  """Gather indices from the packed [B, T] layout to one left-aligned,
+  zero-padded row per document, and back. Returns (row [D], pos [D, T],
+  valid [D, T], first [D] (the row's first document), last [B] (each row's
+  last document), back_doc [B, T], back_pos [B, T])."""
+  rows, pos, valid, first, last, back_doc, back_pos = ([] for _ in range(7))
+  for r, lengths in enumerate(LENGTHS):
+    start = 0
+    for i, n in enumerate(lengths):
+      d = len(rows)
+      rows.append(r)
+      pos.append(np.minimum(start + np.arange(T), T - 1))
+      valid.append(np.arange(T) < n)
+      first.append(i == 0)
+      back_doc += [d] * n
+      back_pos += list(range(n))
+      start += n
+    last.append(len(rows) - 1)
+  return (np.array(rows), np.stack(pos), np.stack(valid), np.array(first),
+          np.array(last), np.reshape(back_doc, (B, T)),
+          np.reshape(back_pos, (B, T)))
+
+
+@jax.jit
+def alone(q, k, v, g, beta, s0):
+  """The per-token recurrence on each document alone (zero padding after a
+  document's end is inert: q = k = v = beta = 0, g = 0), put back in the
+  packed layout; the row's initial state starts its first document."""
+  rows, pos, valid, first, last, back_doc, back_pos = _documents_as_rows()
+
+  def one_per_row(x):
+    x = x[rows[:, None], pos]
+    return jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 2)), x, 0.0)
+
+  s0_docs = jnp.where(first[:, None, None, None], s0[rows], 0.0)
+  o, s = naive_recurrent_kda(*map(one_per_row, (q, k, v, g, beta)),
+                             initial_state=s0_docs)
+  return o[back_doc, back_pos], s[last]
+
+
+def chunked_reference(q, k, v, g, beta, s0):
+  return chunk_kda_ref(q, k, v, g, beta, initial_state=s0, chunk_size=64,
+                       segment_ids=segment_ids())
+
+
+def vjp_of(fn, args, cts):
+  """(o, s) and the 6 gradients of fn(q, k, v, g, beta, s0)."""
+  out, vjp = jax.vjp(fn, *args)
+  return out, vjp(cts)
+
+
+@jax.jit
+def references(args, cts):
+  """Both references' (o, s) and gradients, fp32, in one compile."""
+  return {"chunked": vjp_of(chunked_reference, args, cts),
+          "alone": vjp_of(alone, args, cts)}
+
+
+def rel_err(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def packed_run(request):
+  """A configuration's Pallas results and both references' (fp32, on the
+  inputs as the kernels saw them: rounded to bf16 for the bf16 run)."""
+  dtype, g_min = CONFIGS[request.param]
+  q, k, v, g, beta, s0, do, ds = make_inputs(0)
+  q, k, v = (x.astype(dtype) for x in (q, k, v))
+  do = do.astype(dtype)
+  # Called eagerly: the op's inner jits compile once per configuration.
+  op = functools.partial(kda_pallas, scale=None, chunk_size=64, g_min=g_min,
+                         segment_ids=segment_ids(), interpret=True)
+  got = vjp_of(lambda *a: op(*a[:5], initial_state=a[5]),
+               (q, k, v, g, beta, s0), (do, ds))
+  up = lambda x: x.astype(jnp.float32)  # noqa: E731
+  refs = references((up(q), up(k), up(v), g, beta, s0), (up(do), ds))
+  return request.param, dtype, got, refs
+
+
+@pytest.mark.parametrize("reference", ["chunked", "alone"])
+def test_packed_values_and_gradients(packed_run, reference):
+  name, dtype, ((o, s), grads), refs = packed_run
+  (o_ref, s_ref), grads_ref = refs[reference]
+  assert o.dtype == dtype and s.dtype == jnp.float32
+  rel = 1e-4 if dtype == jnp.float32 else 2e-2
+  for what, a, b in (("o", o, o_ref), ("state", s, s_ref)) + tuple(
+      zip(GRAD_NAMES, grads, grads_ref)):
+    a = np.asarray(a, np.float32)
+    assert np.all(np.isfinite(a)), (name, what)   # NaN never passes
+    assert a.shape == b.shape, (name, what)
+    assert rel_err(a, b) < rel, (name, what, rel_err(a, b))
+    if dtype == jnp.float32:   # and elementwise, against each one's scale
+      np.testing.assert_allclose(a, b, rtol=rel, atol=rel * np.max(np.abs(b)),
+                                 err_msg=f"{name} {what}")
+
+
+def test_chunk_document_index():
+  # Per chunk: the document starts up to each token (0 = the document the
+  # entering state belongs to); the padding joins the last document.
+  index = np.asarray(chunk_document_index(segment_ids(), 192))
+  want0 = np.concatenate([[0] * 5, [1] * 59,          # chunk 0
+                          [0] * 31, [1] * 3, [2], [3] * 29,  # chunk 1
+                          [0] * 64])                   # chunk 2 (+ padding)
+  want1 = np.concatenate([[0] * 64, [1] * 30, [2] * 34, [0] * 64])
+  np.testing.assert_array_equal(index, np.stack([want0, want1]))
+  # An id that comes back later starts a new document.
+  again = chunk_document_index(jnp.asarray([[0, 0, 1, 1, 0, 0] + [0] * 58]),
+                               64)
+  np.testing.assert_array_equal(np.asarray(again)[0, :6], [0, 0, 1, 1, 2, 2])
+
+
+def test_segment_ids_bad_shape():
+  q, k, v, g, beta, s0, _, _ = make_inputs(2)
+  with pytest.raises(ValueError, match=r"segment_ids must have shape \[B, T\]"):
+    kda(q, k, v, g, beta, initial_state=s0, backend="interpret",
+        segment_ids=segment_ids()[:, :-1])
+  with pytest.raises(ValueError, match=r"segment_ids must have shape \[B, T\]"):
+    kda_pallas(q, k, v, g, beta, scale=None, initial_state=s0, chunk_size=64,
+               g_min=None, interpret=True, segment_ids=segment_ids()[:1])

@@ -45,14 +45,16 @@ def segment_ids():
 
 
 def make_inputs(seed, dk=K, dv=V, h=1):
-  """q, k, v, g, beta, s0 and the cotangents (do, ds), fp32."""
+  """q, k, v, g, beta, s0 and the cotangents (do, ds), fp32. The decay rate
+  of g's channels spans 0.01 to 5 (g >= G_MIN): slow channels carry the
+  state across chunks, so every mask on the carried state matters."""
   rng = np.random.default_rng(seed)
   normal = lambda *shape: rng.standard_normal(shape)  # noqa: E731
   sigmoid = lambda x: 1.0 / (1.0 + np.exp(-x))  # noqa: E731
   k = normal(B, T, h, dk)
   k = k / np.linalg.norm(k, axis=-1, keepdims=True)
   arrays = (normal(B, T, h, dk), k, normal(B, T, h, dv),
-            G_MIN * sigmoid(2.0 * normal(B, T, h, dk) - 2.0),
+            -np.geomspace(0.01, -G_MIN, dk) * sigmoid(normal(B, T, h, dk)),
             sigmoid(normal(B, T, h)), 0.5 * normal(B, h, dk, dv),
             normal(B, T, h, dv), normal(B, h, dk, dv))
   return tuple(jnp.asarray(a, jnp.float32) for a in arrays)

@@ -74,6 +74,17 @@ Bounded path caveat: the query-side dots of a diagonal tile, dAqk_ii @
 exp(b - c) <= 1 rescale: fp32/bf16 overflow needs row sums |dAqk . k| >
 ~3e38 / exp(15 |g_min|) (~5e2 at g_min = -5.5, ~1e6 at -5).
 
+Packed documents (segment_ids): one more input, the [B, Tp] int32
+document index of each token within its chunk (common/documents.py). The
+scores kernel masks Lk and Aqk to same-document pairs and stores q exp(b)
+on the rows that read the entering state, k exp(b_C - b) on the rows of the
+chunk's last document and exp(b_C) only for a chunk without a document
+start; the solve kernel masks W's rows like q exp(b). The state pass, its
+reverse and the output kernel run unchanged on these operands; grad_v masks
+dL and dAqk to same-document pairs and grad_k masks the terms through S,
+through k exp(b_C - b) and through exp(b_C) as the forward did. Without
+segment_ids no kernel takes the index and the kernels are the unpacked ones.
+
 The wrapper pads T with q=k=v=0, g=0, beta=0 (inert: L rows/columns vanish,
 V' = 0, dV' = 0, the state is unchanged) and K to a power of two with zero
 channels, only when needed, and slices back. Dots accumulate in fp32; with

@@ -131,9 +131,10 @@ def packed_run(request):
   q, k, v, g, beta, s0, do, ds = make_inputs(0)
   q, k, v = (x.astype(dtype) for x in (q, k, v))
   do = do.astype(dtype)
-  # Called eagerly: the op's inner jits compile once per configuration.
-  op = functools.partial(kda_pallas, scale=None, chunk_size=64, g_min=g_min,
-                         segment_ids=segment_ids(), interpret=True)
+  # The public op, called eagerly: its inner jits compile once per
+  # configuration.
+  op = functools.partial(kda, backend="interpret", g_min=g_min,
+                         segment_ids=segment_ids())
   got = vjp_of(lambda *a: op(*a[:5], initial_state=a[5]),
                (q, k, v, g, beta, s0), (do, ds))
   up = lambda x: x.astype(jnp.float32)  # noqa: E731

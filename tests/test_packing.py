@@ -137,7 +137,7 @@ def test_kda_packed_equals_documents_alone(kda_inputs, impl):
 
 
 def test_kda_layer_hands_segment_ids_to_the_pallas_kernels(monkeypatch):
-  # Traced only (the kernels' values: tests/test_kda_pallas_packing.py):
+  # Traced only (the kernels' values: tests/test_pallas_packing.py):
   # the layer's ids reach the Pallas op, which builds its document index.
   seen = []
   index = kda_chunk.chunk_document_index

@@ -191,7 +191,7 @@ def row_slice_scores(i, xs, y_t, b, c, mask, bounded, mm):
 
 
 def row_slice_operands(i, cols, q_ref, k_ref, g_ref, g_min, b_ref, qg_ref,
-                       kg_ref, ec_ref):
+                       kg_ref, ec_ref, docs=None):
   """The intra kernels' per-(row tile i, K slice) loads and decay stores.
 
   Computes b for tiles 0..i (clamped g, `cumsum_tiles`) and stores what
@@ -199,13 +199,14 @@ def row_slice_operands(i, cols, q_ref, k_ref, g_ref, g_min, b_ref, qg_ref,
   q exp(b) for row tile i, and on the last row tile, where b_C is known,
   k exp(b_C - b) and exp(b_C) (in the refs' dtypes: the matmul dtype the
   dots cast them to, and fp32). Returns (b, c, k_t, q_i): b and anchors c
-  of tiles 0..i, the key tiles 0..i and query tile i, [16, w] fp32.
+  of tiles 0..i, the key tiles 0..i and query tile i, [16, w] fp32. docs:
+  packed documents (`store_row_decays`) or None.
   """
   b, c, b_end = cumsum_tiles(g_ref, cols, i + 1, g_min)
   k_t = [k_ref[tile_rows(t), cols].astype(F32) for t in range(i + 1)]
   q_i = q_ref[tile_rows(i), cols].astype(F32)
   store_row_decays(i, cols, b, b_end, k_t, q_i, b_ref, qg_ref, kg_ref,
-                   ec_ref)
+                   ec_ref, docs)
   return b, c, k_t, q_i
 
 

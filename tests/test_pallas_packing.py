@@ -1,10 +1,11 @@
-"""Packed documents (segment_ids) in the Pallas KDA kernels, interpret mode.
+"""Packed documents (segment_ids) in the Pallas KDA and GLA kernels,
+interpret mode.
 
 Each packed row must compute what its documents compute alone: outputs,
 the final state (the row's last document's) and the gradients w.r.t. q, k,
-v, g, beta and the initial state (the row's first document's), against the
-chunked XLA reference with the same segment ids AND against the per-token
-recurrence run on each document alone. Rows of T = 150 (chunks 64, 64 and a
+v, g, (KDA) beta and the initial state (the row's first document's),
+against the chunked XLA reference with the same segment ids AND against the
+per-token recurrence run on each document alone. Rows of T = 150 (chunks 64, 64 and a
 partial 22):
   * row 0, lengths [5, 90, 3, 1, 51]: documents start mid-chunk, the second
     spans two chunks, chunk 1 holds four documents (one of a single token),
@@ -12,9 +13,9 @@ partial 22):
   * row 1, lengths [64, 30, 56]: the first document fills chunk 0 exactly
     (a start at a chunk boundary: chunk 1 reads no state), then a start
     mid-chunk and a document over two chunks.
-Two configurations, each compiled once (module fixtures): fp32 on the
-bounded path and bf16 on the unbounded path (K = V = 16: the references
-compile once for both).
+Configurations, each compiled once (module fixtures): KDA in fp32 on the
+bounded path and in bf16 on the unbounded path, GLA in fp32 on the bounded
+path (K = V = 16: each op's references compile once).
 """
 import functools
 
@@ -24,7 +25,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels.linear_attention import (
-    chunk_kda_ref, kda, naive_recurrent_kda)
+    chunk_gla_ref, chunk_kda_ref, gla, kda, naive_recurrent_gla,
+    naive_recurrent_kda)
 from pallas_kernels.linear_attention.common.documents import (
     chunk_document_index)
 from pallas_kernels.linear_attention.kda.chunk import kda_pallas
@@ -33,10 +35,15 @@ T = 150
 LENGTHS = ([5, 90, 3, 1, 51], [64, 30, 56])
 B = len(LENGTHS)
 G_MIN = -5.0
-GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "ds0")
 K = V = 16
-CONFIGS = {"fp32_bounded": (jnp.float32, G_MIN),   # name: (dtype, g_min)
-           "bf16_unbounded": (jnp.bfloat16, None)}
+# op: (the public op, its per-token recurrence, its chunked reference,
+# whether it takes beta)
+OPS = {"kda": (kda, naive_recurrent_kda, chunk_kda_ref, True),
+       "gla": (gla, naive_recurrent_gla, chunk_gla_ref, False)}
+# name: (op, dtype, g_min)
+CONFIGS = {"kda_fp32_bounded": ("kda", jnp.float32, G_MIN),
+           "kda_bf16_unbounded": ("kda", jnp.bfloat16, None),
+           "gla_fp32_bounded": ("gla", jnp.float32, G_MIN)}
 
 
 def segment_ids():
@@ -83,39 +90,37 @@ def _documents_as_rows():
           np.reshape(back_pos, (B, T)))
 
 
-@jax.jit
-def alone(q, k, v, g, beta, s0):
-  """The per-token recurrence on each document alone (zero padding after a
-  document's end is inert: q = k = v = beta = 0, g = 0), put back in the
-  packed layout; the row's initial state starts its first document."""
+def alone(recurrence, *args):
+  """recurrence(*xs, initial_state) on each document alone (zero padding
+  after a document's end is inert: q = k = v = beta = 0, g = 0), put back
+  in the packed layout; the row's initial state (args[-1]) starts its first
+  document."""
   rows, pos, valid, first, last, back_doc, back_pos = _documents_as_rows()
 
   def one_per_row(x):
     x = x[rows[:, None], pos]
     return jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 2)), x, 0.0)
 
-  s0_docs = jnp.where(first[:, None, None, None], s0[rows], 0.0)
-  o, s = naive_recurrent_kda(*map(one_per_row, (q, k, v, g, beta)),
-                             initial_state=s0_docs)
+  s0_docs = jnp.where(first[:, None, None, None], args[-1][rows], 0.0)
+  o, s = recurrence(*map(one_per_row, args[:-1]), initial_state=s0_docs)
   return o[back_doc, back_pos], s[last]
 
 
-def chunked_reference(q, k, v, g, beta, s0):
-  return chunk_kda_ref(q, k, v, g, beta, initial_state=s0, chunk_size=64,
-                       segment_ids=segment_ids())
-
-
 def vjp_of(fn, args, cts):
-  """(o, s) and the 6 gradients of fn(q, k, v, g, beta, s0)."""
+  """(o, s) and the gradients of fn(*args)."""
   out, vjp = jax.vjp(fn, *args)
   return out, vjp(cts)
 
 
-@jax.jit
-def references(args, cts):
-  """Both references' (o, s) and gradients, fp32, in one compile."""
-  return {"chunked": vjp_of(chunked_reference, args, cts),
-          "alone": vjp_of(alone, args, cts)}
+@functools.partial(jax.jit, static_argnames="op")
+def references(args, cts, op):
+  """Both references' (o, s) and gradients, fp32, in one compile.
+  args: (q, k, v, g, [beta,] s0)."""
+  _, recurrence, chunked, _ = OPS[op]
+  return {"chunked": vjp_of(
+      lambda *a: chunked(*a[:-1], initial_state=a[-1], chunk_size=64,
+                         segment_ids=segment_ids()), args, cts),
+          "alone": vjp_of(functools.partial(alone, recurrence), args, cts)}
 
 
 def rel_err(a, b):
@@ -127,32 +132,35 @@ def rel_err(a, b):
 def packed_run(request):
   """A configuration's Pallas results and both references' (fp32, on the
   inputs as the kernels saw them: rounded to bf16 for the bf16 run)."""
-  dtype, g_min = CONFIGS[request.param]
+  op, dtype, g_min = CONFIGS[request.param]
+  public, _, _, with_beta = OPS[op]
   q, k, v, g, beta, s0, do, ds = make_inputs(0)
   q, k, v = (x.astype(dtype) for x in (q, k, v))
   do = do.astype(dtype)
+  args = (q, k, v, g) + ((beta,) if with_beta else ()) + (s0,)
   # The public op, called eagerly: its inner jits compile once per
   # configuration.
-  op = functools.partial(kda, backend="interpret", g_min=g_min,
+  fn = functools.partial(public, backend="interpret", g_min=g_min,
                          segment_ids=segment_ids())
-  got = vjp_of(lambda *a: op(*a[:5], initial_state=a[5]),
-               (q, k, v, g, beta, s0), (do, ds))
+  got = vjp_of(lambda *a: fn(*a[:-1], initial_state=a[-1]), args, (do, ds))
   up = lambda x: x.astype(jnp.float32)  # noqa: E731
-  refs = references((up(q), up(k), up(v), g, beta, s0), (up(do), ds))
-  return request.param, dtype, got, refs
+  refs = references(tuple(map(up, args)), (up(do), ds), op=op)
+  names = ("dq", "dk", "dv", "dg") + (("dbeta",) if with_beta else ()) + (
+      "ds0",)
+  return request.param, dtype, got, refs, names
 
 
 @pytest.mark.parametrize("reference", ["chunked", "alone"])
 def test_packed_values_and_gradients(packed_run, reference):
-  name, dtype, ((o, s), grads), refs = packed_run
+  name, dtype, ((o, s), grads), refs, grad_names = packed_run
   (o_ref, s_ref), grads_ref = refs[reference]
   assert o.dtype == dtype and s.dtype == jnp.float32
   rel = 1e-4 if dtype == jnp.float32 else 2e-2
   for what, a, b in (("o", o, o_ref), ("state", s, s_ref)) + tuple(
-      zip(GRAD_NAMES, grads, grads_ref)):
+      zip(grad_names, grads, grads_ref)):
     a = np.asarray(a, np.float32)
     assert np.all(np.isfinite(a)), (name, what)   # NaN never passes
-    assert a.shape == b.shape, (name, what)
+    assert a.shape == b.shape and len(grads) == len(grad_names), (name, what)
     assert rel_err(a, b) < rel, (name, what, rel_err(a, b))
     if dtype == jnp.float32:   # and elementwise, against each one's scale
       np.testing.assert_allclose(a, b, rtol=rel, atol=rel * np.max(np.abs(b)),
@@ -182,3 +190,6 @@ def test_segment_ids_bad_shape():
   with pytest.raises(ValueError, match=r"segment_ids must have shape \[B, T\]"):
     kda_pallas(q, k, v, g, beta, scale=None, initial_state=s0, chunk_size=64,
                g_min=None, interpret=True, segment_ids=segment_ids()[:1])
+  with pytest.raises(ValueError, match=r"segment_ids must have shape \[B, T\]"):
+    gla(q, k, v, g, initial_state=s0, backend="interpret",
+        segment_ids=segment_ids()[:, 1:])

@@ -182,6 +182,30 @@ def test_chunk_document_index():
   np.testing.assert_array_equal(np.asarray(again)[0, :6], [0, 0, 1, 1, 2, 2])
 
 
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_packed_kernels_lower_for_cuda(op):
+  # Interpret mode does not run the Triton lowering: the packed forward and
+  # backward lower for CUDA here on the CPU (compiling needs a card).
+  public, _, _, with_beta = OPS[op]
+  spec = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)  # noqa: E731
+  args = [spec(1, 128, 1, 64)] * 3 + [spec(1, 128, 1, 64, dt=jnp.float32)]
+  args += [spec(1, 128, 1, dt=jnp.float32)] if with_beta else []
+
+  def forward_backward(ids, *xs):
+    out, vjp = jax.vjp(lambda *a: public(*a, backend="pallas", g_min=G_MIN,
+                                         segment_ids=ids), *xs)
+    return vjp(out)
+
+  text = jax.jit(forward_backward).trace(
+      jax.ShapeDtypeStruct((1, 128), jnp.int32), *args).lower(
+          lowering_platforms=("cuda",)).as_text()
+  kernels = {"kda": ("scores", "solve", "output", "dv_intra", "grad_v",
+                     "grad_k"),
+             "gla": ("intra", "output", "dv", "grad_k")}[op]
+  for name in kernels:
+    assert f'"{op}_chunk_{name}"' in text, name
+
+
 def test_segment_ids_bad_shape():
   q, k, v, g, beta, s0, _, _ = make_inputs(2)
   with pytest.raises(ValueError, match=r"segment_ids must have shape \[B, T\]"):

@@ -256,8 +256,8 @@ VISION_QUESTION_TYPES = ("count", "colour", "position", "larger", "digit",
 
 def validate_packing_config(config: ml_collections.ConfigDict) -> None:
   """data.packing: 'documents' needs the stdlib corpus (documents are its
-  files), KDA on the XLA backend (the Pallas kernels do not take document
-  boundaries yet) and no context parallelism."""
+  files) and no context parallelism (any KDA backend: the XLA reference and
+  the Pallas kernels both take segment ids)."""
   if "packing" not in config.data:
     return
   _one_of(config, "data.packing", ("concat", "documents"))
@@ -267,11 +267,6 @@ def validate_packing_config(config: ml_collections.ConfigDict) -> None:
     raise ConfigError("data.packing='documents' needs data.source='stdlib' "
                       "(its documents are the corpus's files), got "
                       f"{config.data.source!r}")
-  if config.model.kda.backend != "xla":
-    raise ConfigError(
-        "data.packing='documents' needs model.kda.backend='xla': the Pallas "
-        "kernels do not take document boundaries yet (and 'auto' picks them "
-        f"on a GPU), got {config.model.kda.backend!r}")
   if "mesh" in config and config.mesh.get("context", 1) != 1:
     raise ConfigError("data.packing='documents' needs mesh.context=1 (no "
                       "context parallelism with document boundaries yet), "

@@ -169,7 +169,7 @@ class HybridLM(nn.Module):
       of equal ids, data.packing='documents'): MLA attends within a
       document and KDA's short convs and state restart at each document
       start, so a packed row computes what each document alone would
-      (model.kda.backend 'xla' only for now; not with decode).
+      (any model.kda.backend; not with decode or context parallelism).
     """
     c = self.cfg
     dtype = _DTYPES[c.dtype]

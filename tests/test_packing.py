@@ -19,12 +19,13 @@ from moe_jax.data.pipeline import (TokenBatcher, eval_batches, make_datasets,
                                    packing_kwargs, segment_ids_of)
 from moe_jax.data.stdlib_corpus import BOS
 from moe_jax.eval.step import apply_model
-from moe_jax.layers.kda import causal_depthwise_conv
+from moe_jax.layers.kda import KDA, causal_depthwise_conv
 from moe_jax.layers.mla import GatedMLA
 from moe_jax.layers.norms import l2_normalize
 from moe_jax.model import build_model
 from pallas_kernels.linear_attention import kda as kda_op
 from pallas_kernels.linear_attention import naive_recurrent_kda
+from pallas_kernels.linear_attention.kda import chunk as kda_chunk
 
 CHUNK = 16
 T = 60  # pads to 64: the padding joins the last document
@@ -135,11 +136,19 @@ def test_kda_packed_equals_documents_alone(kda_inputs, impl):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4, err_msg=name)
 
 
-def test_kda_segment_ids_refuse_pallas(kda_inputs):
-  (q, k, v, g, beta), _ = kda_inputs
-  with pytest.raises(NotImplementedError, match="model.kda.backend='xla'"):
-    kda_op(q, k, v, g, beta, backend="interpret", chunk_size=64,
-           segment_ids=_segment_ids())
+def test_kda_layer_hands_segment_ids_to_the_pallas_kernels(monkeypatch):
+  # Traced only (the kernels' values: tests/test_pallas_packing.py):
+  # the layer's ids reach the Pallas op, which builds its document index.
+  seen = []
+  index = kda_chunk.chunk_document_index
+  monkeypatch.setattr(kda_chunk, "chunk_document_index",
+                      lambda s, tp: seen.append(s.shape) or index(s, tp))
+  layer = KDA(d_model=32, num_heads=2, backend="interpret")
+  x = jnp.zeros((len(LENGTHS), T, 32))
+  variables = jax.eval_shape(layer.init, jax.random.PRNGKey(0), x[:, :8])
+  jax.make_jaxpr(lambda v, x, s: layer.apply(v, x, segment_ids=s))(
+      variables, x, _segment_ids())
+  assert seen == [(len(LENGTHS), T)]
 
 
 def test_short_conv_does_not_read_across_documents():
@@ -270,10 +279,13 @@ def test_packing_errors():
   with pytest.raises(ConfigError, match=r"data\.packing.*concat.*documents"):
     validate_config(config)
   config.data.packing = "documents"
-  with pytest.raises(ConfigError, match=r"model\.kda\.backend='xla'"):
-    validate_config(config)  # backend 'auto' may pick Pallas on a GPU
-  config.model.kda.backend = "xla"
-  validate_config(config)
+  for backend in ("auto", "pallas", "xla"):   # every KDA backend takes ids
+    config.model.kda.backend = backend
+    validate_config(config)
+  config.mesh.context = 2
+  with pytest.raises(ConfigError, match=r"mesh\.context=1"):
+    validate_config(config)
+  config.mesh.context = 1
   config.data.source, config.data.path = "token_file", "/tmp/x.bin"
   with pytest.raises(ConfigError, match="data.source='stdlib'"):
     validate_config(config)

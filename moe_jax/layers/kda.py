@@ -155,8 +155,8 @@ class KDA(nn.Module):
 
     segment_ids: optional [B, T] int, packed documents (a document is a run
       of equal ids): the short convs do not read across a document start
-      and the recurrence restarts from zero at each one (XLA backend only;
-      not with decode or context parallelism).
+      and the recurrence restarts from zero at each one (every backend of
+      ops.kda; not with decode or context parallelism).
 
     decode: continue from the `cache` collection (make it mutable) and
       update it: T > 1 (prefill) runs the chunked op from the cached state,

@@ -33,10 +33,6 @@ from pallas_kernels.linear_attention.kda.naive import (
     chunk_kda_ref, recurrent_step_kda)
 
 BACKENDS = ("auto", "xla", "pallas", "interpret")
-DOCUMENTS_NEED_XLA = (
-    "kda: packed documents (segment_ids) run on the XLA backend only; the "
-    "Pallas kernels do not take document boundaries yet. Use "
-    "model.kda.backend='xla' (backend='auto' picks Pallas on a GPU)")
 CHUNK_SIZES = (16, 32, 64, 128)
 OPS = ("gla", "kda")
 _LOG = logging.getLogger(__name__)
@@ -47,6 +43,8 @@ _LOG = logging.getLogger(__name__)
 # and receives already validated inputs. g_min is None (no bound promised) or
 # a float < 0 that the caller guarantees g >= g_min (the bounded-decay
 # contract a kernel may exploit for dense diagonal tiles, docs/design.md §3).
+# An implementation that takes packed documents also has the keyword
+# segment_ids ([B, T] int, passed only when not None).
 _IMPLS: Dict[str, Dict[str, Callable]] = {}
 
 
@@ -73,16 +71,19 @@ def available_backends(op: str) -> tuple:
   return tuple(b for b in BACKENDS[1:] if op in _IMPLS.get(b, {}))
 
 
-def _xla_gla(q, k, v, g, *, scale, initial_state, chunk_size, g_min):
+def _xla_gla(q, k, v, g, *, scale, initial_state, chunk_size, g_min,
+             segment_ids=None):
   del g_min  # the oracle is safe for any g <= 0; the bound buys it nothing
   return chunk_gla_ref(q, k, v, g, scale=scale, initial_state=initial_state,
-                       chunk_size=chunk_size)
+                       chunk_size=chunk_size, segment_ids=segment_ids)
 
 
-def _xla_kda(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min):
+def _xla_kda(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min,
+             segment_ids=None):
   del g_min
   return chunk_kda_ref(q, k, v, g, beta, scale=scale,
-                       initial_state=initial_state, chunk_size=chunk_size)
+                       initial_state=initial_state, chunk_size=chunk_size,
+                       segment_ids=segment_ids)
 
 
 register_backend("xla", gla=_xla_gla, kda=_xla_kda,
@@ -174,7 +175,7 @@ def _with_pallas_options(op: str, impl: Callable, options) -> Callable:
     return impl
   allowed = [name for name, p in inspect.signature(impl).parameters.items()
              if p.kind == p.KEYWORD_ONLY and name not in _OP_KEYWORDS
-             and name != "interpret"]
+             and name not in ("interpret", "segment_ids")]
   bad = sorted(set(options) - set(allowed))
   if bad:
     raise ValueError(f"pallas_options: unknown option(s) {bad} for {op}; "
@@ -232,8 +233,26 @@ def _validate(q, k, v, g, beta, initial_state, chunk_size, g_min):
   return g_min
 
 
+def _with_documents(op: str, impl: Callable, backend: str, segment_ids,
+                    q_shape) -> dict:
+  """The segment_ids keyword for impl ({} when segment_ids is None);
+  ValueError for a shape other than [B, T], NotImplementedError for an
+  implementation without packed documents."""
+  if segment_ids is None:
+    return {}
+  if _shape(segment_ids) != q_shape[:2]:
+    raise ValueError(f"segment_ids must have shape [B, T]={q_shape[:2]}, "
+                     f"got {_shape(segment_ids)}")
+  if "segment_ids" not in inspect.signature(impl).parameters:
+    raise NotImplementedError(
+        f"{op}: backend={backend!r} resolved to an implementation without "
+        "packed documents (segment_ids); use backend 'xla', 'pallas' or "
+        "'interpret'")
+  return dict(segment_ids=segment_ids)
+
+
 def gla(q, k, v, g, *, scale=None, initial_state=None, backend="auto",
-        chunk_size=64, g_min=None, pallas_options=None):
+        chunk_size=64, g_min=None, pallas_options=None, segment_ids=None):
   """Gated linear attention, S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T, o_t = scale S_t^T q_t.
 
   Args:
@@ -246,15 +265,18 @@ def gla(q, k, v, g, *, scale=None, initial_state=None, backend="auto",
     pallas_options: keyword options of the Pallas kernel (gla/chunk.py:
       tune, a gla.tuning.Tuning; bounded), used when the call runs it;
       ignored by the XLA oracle.
+    segment_ids: [B, T] int or None: packed documents, as in `kda`.
   Returns:
-    o [B, T, H, V] in v.dtype, final state [B, H, K, V] fp32.
+    o [B, T, H, V] in v.dtype, final state [B, H, K, V] fp32 (of the row's
+    last document).
   """
   g_min = _validate(q, k, v, g, None, initial_state, chunk_size, g_min)
   impl, g_min = _resolve("gla", backend, chunk_size=chunk_size, g_min=g_min,
                          dims=(_shape(q)[3], _shape(v)[3]))
   impl = _with_pallas_options("gla", impl, pallas_options)
+  documents = _with_documents("gla", impl, backend, segment_ids, _shape(q))
   return impl(q, k, v, g, scale=scale, initial_state=initial_state,
-              chunk_size=chunk_size, g_min=g_min)
+              chunk_size=chunk_size, g_min=g_min, **documents)
 
 
 def kda(q, k, v, g, beta, *, scale=None, initial_state=None, backend="auto",
@@ -276,9 +298,10 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, backend="auto",
     pallas_options: keyword options of the Pallas kernel (kda/chunk.py:
       tune, a kda.tuning.Tuning; bounded), used when the call runs it;
       ignored by the XLA oracle.
-    segment_ids: [B, T] int or None: packed documents (a document is a run
-      of equal ids); the state restarts from zero at each document start
-      (kda/naive.py chunk_kda_ref). XLA backend only for now.
+    segment_ids: [B, T] int or None: packed documents (a document is a
+      contiguous run of equal ids, as fla's cu_seqlens delimits them); the
+      state restarts from zero at each document start (kda/naive.py
+      chunk_kda_ref; the Pallas kernels: common/documents.py).
   Returns:
     o [B, T, H, V] in v.dtype, final state [B, H, K, V] fp32 (of the row's
     last document).
@@ -289,18 +312,10 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, backend="auto",
   g_min = _validate(q, k, v, g, beta, initial_state, chunk_size, g_min)
   impl, g_min = _resolve("kda", backend, chunk_size=chunk_size, g_min=g_min,
                          dims=(_shape(q)[3], _shape(v)[3]))
-  if segment_ids is not None:
-    if impl is not _xla_kda:
-      raise NotImplementedError(DOCUMENTS_NEED_XLA)
-    if _shape(segment_ids) != _shape(q)[:2]:
-      raise ValueError(f"segment_ids must have shape [B, T]={_shape(q)[:2]}, "
-                       f"got {_shape(segment_ids)}")
-    return chunk_kda_ref(q, k, v, g, beta, scale=scale,
-                         initial_state=initial_state, chunk_size=chunk_size,
-                         segment_ids=segment_ids)
   impl = _with_pallas_options("kda", impl, pallas_options)
+  documents = _with_documents("kda", impl, backend, segment_ids, _shape(q))
   return impl(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-              chunk_size=chunk_size, g_min=g_min)
+              chunk_size=chunk_size, g_min=g_min, **documents)
 
 
 def _resolve_step(op: str, backend: str):

@@ -1,6 +1,7 @@
 """Helpers shared by the pure-JAX references of GLA and KDA (gla/naive.py,
 kda/naive.py): scale and state defaults, the chunk reshapes, the
-position-pair decays and the scan over chunks. fp32, HIGHEST precision."""
+position-pair decays, the scan over chunks and the packed-document masks.
+fp32, HIGHEST precision."""
 from __future__ import annotations
 
 from typing import Optional
@@ -104,3 +105,39 @@ def scan_chunks(step, s0, xs):
 def check_chunk_size(chunk_size):
   if not isinstance(chunk_size, int) or chunk_size <= 0:
     raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+
+
+def document_starts(segment_ids):
+  """[B, T] segment ids -> bool [B, T], True where a new document starts
+  inside the row (never at position 0: the row's first document takes the
+  initial state)."""
+  prev = jnp.concatenate([segment_ids[:, :1], segment_ids[:, :-1]], axis=1)
+  return segment_ids != prev
+
+
+def chunk_document_masks(segment_ids, chunk_size):
+  """Per-chunk document masks of the chunked references (fp32 0/1 except
+  same_doc; kda/naive.py `chunk_kda_ref` says how they enter).
+
+  Args:
+    segment_ids: [B, T] int; padded up to N*C with the last id (the zero
+      padding of `to_chunks` then joins the row's last document, neutral).
+  Returns:
+    same_doc bool [B, 1, N, C, C] (pair (i, j) in one document),
+    reads_state [B, 1, N, C, 1] (token in the document of the token before
+      the chunk), in_last [B, 1, N, C, 1] (token in the chunk's last
+      document), keeps_state [B, 1, N, 1] (the chunk has no document start).
+  """
+  b, t = segment_ids.shape
+  n = -(-t // chunk_size)
+  seg = jnp.pad(segment_ids, [(0, 0), (0, n * chunk_size - t)], mode="edge")
+  seg = seg.reshape(b, 1, n, chunk_size)
+  # Document of the token before each chunk; the first chunk's is its own
+  # first token's (the initial state belongs to the row's first document).
+  before = jnp.concatenate([seg[:, :, :1, 0], seg[:, :, :-1, -1]], axis=2)
+  last = seg[..., -1]
+  same_doc = seg[..., :, None] == seg[..., None, :]
+  reads_state = (seg == before[..., None]).astype(F32)[..., None]
+  in_last = (seg == last[..., None]).astype(F32)[..., None]
+  keeps_state = (last == before).astype(F32)[..., None]
+  return same_doc, reads_state, in_last, keeps_state

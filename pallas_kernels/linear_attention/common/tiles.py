@@ -191,7 +191,7 @@ def row_slice_scores(i, xs, y_t, b, c, mask, bounded, mm):
 
 
 def row_slice_operands(i, cols, q_ref, k_ref, g_ref, g_min, b_ref, qg_ref,
-                       kg_ref, ec_ref):
+                       kg_ref, ec_ref, docs=None):
   """The intra kernels' per-(row tile i, K slice) loads and decay stores.
 
   Computes b for tiles 0..i (clamped g, `cumsum_tiles`) and stores what
@@ -199,30 +199,42 @@ def row_slice_operands(i, cols, q_ref, k_ref, g_ref, g_min, b_ref, qg_ref,
   q exp(b) for row tile i, and on the last row tile, where b_C is known,
   k exp(b_C - b) and exp(b_C) (in the refs' dtypes: the matmul dtype the
   dots cast them to, and fp32). Returns (b, c, k_t, q_i): b and anchors c
-  of tiles 0..i, the key tiles 0..i and query tile i, [16, w] fp32.
+  of tiles 0..i, the key tiles 0..i and query tile i, [16, w] fp32. docs:
+  packed documents (`store_row_decays`) or None.
   """
   b, c, b_end = cumsum_tiles(g_ref, cols, i + 1, g_min)
   k_t = [k_ref[tile_rows(t), cols].astype(F32) for t in range(i + 1)]
   q_i = q_ref[tile_rows(i), cols].astype(F32)
   store_row_decays(i, cols, b, b_end, k_t, q_i, b_ref, qg_ref, kg_ref,
-                   ec_ref)
+                   ec_ref, docs)
   return b, c, k_t, q_i
 
 
 def store_row_decays(i, cols, b, b_end, k_t, q_i, b_ref, qg_ref, kg_ref,
-                     ec_ref):
+                     ec_ref, docs=None):
   """Row tile i's decay stores of one K slice (`row_slice_operands`): b
   (b_ref, or None), q exp(b), and on the last row tile k exp(b_C - b) and
   exp(b_C). b, k_t: tiles 0..i [16, w] fp32; b_end [w]: b at the last row
-  of tile i (b_C on the last); q_i [16, w] fp32."""
+  of tile i (b_C on the last); q_i [16, w] fp32. docs (packed documents, a
+  common.documents.ChunkDocuments, or None): q exp(b) kept on the rows
+  that read the entering state, k exp(b_C - b) on the rows of the chunk's
+  last document, exp(b_C) only when the chunk has no document start."""
   if b_ref is not None:
     b_ref[tile_rows(i), cols] = b[i]
-  qg_ref[tile_rows(i), cols] = (q_i * jnp.exp(b[i])).astype(qg_ref.dtype)
+  qg = q_i * jnp.exp(b[i])
+  if docs is not None:
+    qg = jnp.where(docs.reads_state(i), qg, 0.0)
+  qg_ref[tile_rows(i), cols] = qg.astype(qg_ref.dtype)
   if i == N_TILES - 1:
     for t in range(N_TILES):
-      kg_ref[tile_rows(t), cols] = (
-          k_t[t] * jnp.exp(b_end[None, :] - b[t])).astype(kg_ref.dtype)
-    ec_ref[cols] = jnp.exp(b_end)
+      kg = k_t[t] * jnp.exp(b_end[None, :] - b[t])
+      if docs is not None:
+        kg = jnp.where(docs.in_last(t), kg, 0.0)
+      kg_ref[tile_rows(t), cols] = kg.astype(kg_ref.dtype)
+    ec = jnp.exp(b_end)
+    if docs is not None:
+      ec = jnp.where(docs.keeps_state(), ec, 0.0)
+    ec_ref[cols] = ec
 
 
 def k_slice(kk, bk):

@@ -69,6 +69,12 @@ Kernels (inputs stay in the caller's [B, T, H, D] layout: no transposes):
        multiplied by the same rounded dot operands, so that they cancel in
        the cumsum as in exact arithmetic (common/key_side.py).
        dq, dk are stored in q's and k's dtype.
+Packed documents (segment_ids): one more input, the [B, Tp] int32 document
+index of each token within its chunk (common/documents.py); the intra
+kernel masks A to same-document pairs and stores q exp(b), k exp(b_C - b)
+and exp(b_C) masked as KDA's scores kernel does, kernel 5 masks dA alike and
+grad_k the terms through S, k exp(b_C - b) and exp(b_C). The passes and the
+output kernel are unchanged; without segment_ids no kernel takes the index.
 The wrapper pads T with q=k=v=0, g=0 (inert) and K to a power of two with
 zero channels, only when needed, and slices back. Dots accumulate in fp32;
 with bf16 inputs their operands are bf16. Kernels 1 (intra.py), 2 and 4
@@ -85,6 +91,8 @@ import jax.numpy as jnp
 
 from pallas_kernels.linear_attention import ops
 from pallas_kernels.linear_attention.common import mosaic
+from pallas_kernels.linear_attention.common.documents import (
+    chunk_document_index)
 from pallas_kernels.linear_attention.common.output import output_call
 from pallas_kernels.linear_attention.common.tiles import (
     CHUNK, G_MIN_LOWEST, MAX_DIM, TILE, F32, GMinError, block_v, check_dims,
@@ -111,17 +119,19 @@ _STATIC = ("scale", "bounded", "g_min", "tune", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("for_backward",))
-def _gla_fwd(q, k, v, g, s0, *, scale, bounded, g_min, tune, interpret,
+def _gla_fwd(q, k, v, g, s0, docs, *, scale, bounded, g_min, tune, interpret,
              for_backward=False):
-  """q, k, g [B, T, H, K]; v [B, T, H, V]; s0 [B, H, K, V] fp32. With
-  for_backward, also returns the intra kernel's outputs (the residuals)."""
+  """q, k, g [B, T, H, K]; v [B, T, H, V]; s0 [B, H, K, V] fp32; docs None or
+  the [B, Tp] document index of packed documents (common/documents.py).
+  With for_backward, also returns the intra kernel's outputs (the
+  residuals)."""
   lay = call_layout(q, v, tune)
   tp, kp, dk = lay["tp"], lay["kp"], lay["dk"]
   qp, kp_, gp = pad_to(q, tp, kp), pad_to(k, tp, kp), pad_to(g, tp, kp)
   vp = pad_to(v, tp, lay["dv"])
   s0p = jnp.pad(s0, ((0, 0), (0, 0), (0, kp - dk), (0, 0)))
   intra = intra_call(qp, kp_, gp, lay, bounded, g_min, tune, interpret,
-                     for_backward)
+                     for_backward, docs)
   aqk, qg, kg, ec = intra[:4]
   states, s_final = run_state_pass(kg, vp, ec, s0p, lay, tune, interpret)
   o = output_call(qg, aqk, vp, states, lay, scale, v.dtype, interpret,
@@ -131,8 +141,8 @@ def _gla_fwd(q, k, v, g, s0, *, scale, bounded, g_min, tune, interpret,
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _gla_bwd(q, k, v, g, s0, intra, do, ds_final, *, scale, bounded, g_min,
-             tune, interpret):
+def _gla_bwd(q, k, v, g, s0, docs, intra, do, ds_final, *, scale, bounded,
+             g_min, tune, interpret):
   """(dq, dk, dv, dg, ds0) given do [B,T,H,V], ds_final [B,H,K,V] and the
   forward's residuals (the intra kernel's outputs; g, the caller's g fp32,
   only with g_min, for the clamp's mask, else None)."""
@@ -148,39 +158,44 @@ def _gla_bwd(q, k, v, g, s0, intra, do, ds_final, *, scale, bounded, g_min,
   states, _ = run_state_pass(kg, vp, ec, s0p, lay, tune, interpret)
   dstates, ds0 = run_dstate_pass(qg, dop, ec, dsfp, lay, scale, tune, interpret)
   dvp, da = dv_call(aqk, kg, vp, dop, dstates, lay, scale, v.dtype, bounded,
-                    tune, interpret)
+                    tune, interpret, docs)
   gp = None if g_min is None else pad_to(g, tp, kp)
   dq, dk_, dg = grad_k_call(qp, kp_, bp, gp, dop, vp, da, states, dstates,
-                            lay, scale, bounded, g_min, tune, interpret)
+                            lay, scale, bounded, g_min, tune, interpret,
+                            docs)
   dq, dk_, dg = (x[:, :t, :, :dk] for x in (dq, dk_, dg))
   return dq, dk_, dvp[:, :t], dg, ds0[:, :, :dk]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
-def _gla_pallas_vjp(q, k, v, g, s0, scale, bounded, g_min, tune, interpret):
-  return _gla_fwd(q, k, v, g, s0, scale=scale, bounded=bounded, g_min=g_min,
-                  tune=tune, interpret=interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _gla_pallas_vjp(q, k, v, g, s0, docs, scale, bounded, g_min, tune,
+                    interpret):
+  return _gla_fwd(q, k, v, g, s0, docs, scale=scale, bounded=bounded,
+                  g_min=g_min, tune=tune, interpret=interpret)
 
 
-def _vjp_fwd(q, k, v, g, s0, scale, bounded, g_min, tune, interpret):
-  out, intra = _gla_fwd(q, k, v, g, s0, scale=scale, bounded=bounded,
+def _vjp_fwd(q, k, v, g, s0, docs, scale, bounded, g_min, tune, interpret):
+  out, intra = _gla_fwd(q, k, v, g, s0, docs, scale=scale, bounded=bounded,
                         g_min=g_min, tune=tune, interpret=interpret,
                         for_backward=True)
-  return out, (q, k, v, None if g_min is None else g, s0, intra)
+  return out, (q, k, v, None if g_min is None else g, s0, docs, intra)
 
 
 def _vjp_bwd(scale, bounded, g_min, tune, interpret, res, cts):
-  q, k, v, g, s0, intra = res
+  q, k, v, g, s0, docs, intra = res
   do, ds_final = cts
-  return _gla_bwd(q, k, v, g, s0, intra, do, ds_final, scale=scale,
-                  bounded=bounded, g_min=g_min, tune=tune, interpret=interpret)
+  grads = _gla_bwd(q, k, v, g, s0, docs, intra, do, ds_final, scale=scale,
+                   bounded=bounded, g_min=g_min, tune=tune,
+                   interpret=interpret)
+  return grads + (None,)   # the document index is not differentiable
 
 
 _gla_pallas_vjp.defvjp(_vjp_fwd, _vjp_bwd)
 
 
 def gla_pallas(q, k, v, g, *, scale, initial_state, chunk_size, g_min,
-               interpret=False, bounded=None, tune=DEFAULT_TUNING):
+               segment_ids=None, interpret=False, bounded=None,
+               tune=DEFAULT_TUNING):
   """Chunked GLA, forward and backward as Pallas kernels (jax.custom_vjp).
 
   Args:
@@ -189,6 +204,11 @@ def gla_pallas(q, k, v, g, *, scale, initial_state, chunk_size, g_min,
     scale: query scale or None (K**-0.5).
     initial_state: [B, H, K, V] or None (zeros).
     chunk_size: must be 64.
+    segment_ids: [B, T] int or None: packed documents (a document is a
+      contiguous run of equal ids); the state restarts from zero at each
+      document start inside a row (common/documents.py), the initial state
+      belongs to the row's first document and the final state is the row's
+      last document's. None runs the kernels without document masks.
     g_min: None (unbounded path) or a python float in [-5.5, 0), the caller's
       promise g >= g_min (bounded path). g below g_min is clamped to g_min
       (zero gradient there).
@@ -224,8 +244,15 @@ def gla_pallas(q, k, v, g, *, scale, initial_state, chunk_size, g_min,
   # g_min, g), with zero gradient below g_min (at g == g_min the gradient
   # passes); the intra kernel clamps, grad_k masks dg: no XLA passes.
   clamp = float(g_min) if bounded else None
+  docs = None
+  if segment_ids is not None:
+    if tuple(segment_ids.shape) != (bsz, q.shape[1]):
+      raise ValueError(f"segment_ids must have shape [B, T]="
+                       f"{(bsz, q.shape[1])}, got {tuple(segment_ids.shape)}")
+    docs = chunk_document_index(segment_ids, call_layout(q, v, tune)["tp"])
   return _gla_pallas_vjp(q, k, v, g.astype(F32), initial_state.astype(F32),
-                         scale, bool(bounded), clamp, tune, bool(interpret))
+                         docs, scale, bool(bounded), clamp, tune,
+                         bool(interpret))
 
 
 def register():

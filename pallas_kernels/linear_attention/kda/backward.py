@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.linear_attention.common.documents import (
+    document_spec, with_documents)
 from pallas_kernels.linear_attention.common.key_side import (
     pull_key_side_grads, state_side_inputs, state_side_terms)
 from pallas_kernels.linear_attention.common.tiles import (
@@ -42,11 +44,12 @@ def _dvintra_kernel(aqk_ref, do_ref, out_ref, *, scale, mm):
 
 def _grad_v_kernel(m_ref, lk_ref, beta_ref, v_ref, do_ref, vn_ref, dvn_ref,
                    dv_ref, du_ref, da_ref, dlk_ref, dbeta_ref, *, scale, bv,
-                   mm):
+                   mm, docs=None):
   # m_ref [C, C] (M, matmul dtype); lk_ref [C, C] fp32; beta_ref [C];
   # v_ref, do_ref, vn_ref (V'), dvn_ref (dV'), dv_ref [C, V]; du_ref (dU')
   # [C, V] matmul dtype; da_ref, dlk_ref [C, C] (matmul dtype bounded, fp32
-  # unbounded); dbeta_ref [C] fp32 (the V-side part).
+  # unbounded); dbeta_ref [C] fp32 (the V-side part). docs: packed
+  # documents (common.documents.ChunkDocuments) or None.
   # All of V is walked here in bv-column blocks, so dAqk and dL (sums over
   # V) are complete and the K-side kernel runs once per K slice.
   c = CHUNK
@@ -68,16 +71,21 @@ def _grad_v_kernel(m_ref, lk_ref, beta_ref, v_ref, do_ref, vn_ref, dvn_ref,
       dbeta, dl, da = part_b, part_l, part_a
     else:
       dbeta, dl, da = dbeta + part_b, dl + part_l, da + part_a
-  # dL = -strict(dU' V'^T), dLk = beta dL; dAqk = scale causal(dO V'^T).
-  dl = -jnp.where(row > col, dl, 0.0)
+  # dL = -strict(dU' V'^T), dLk = beta dL; dAqk = scale causal(dO V'^T);
+  # packed: on the pairs of one document only (those L and Aqk hold).
+  same = None if docs is None else docs.same_chunk()
+  pairs = lambda mask: mask if same is None else mask & same  # noqa: E731
+  dl = -jnp.where(pairs(row > col), dl, 0.0)
   dbeta_ref[...] = dbeta + jnp.sum(dl * lk_ref[...], axis=1)
   dlk_ref[...] = (beta * dl).astype(dlk_ref.dtype)
-  da_ref[...] = (scale * jnp.where(row >= col, da, 0.0)).astype(da_ref.dtype)
+  da_ref[...] = (scale * jnp.where(pairs(row >= col), da, 0.0)).astype(
+      da_ref.dtype)
 
 
 def _grad_k_kernel(q_ref, k_ref, b_ref, g_ref, beta_ref, da_ref, dlk_ref,
                    do_ref, du_ref, vn_ref, s_ref, dh_ref, dq_ref, dk_ref,
-                   dg_ref, dbeta_ref, *, scale, bv, bounded, mm, g_min):
+                   dg_ref, dbeta_ref, *, scale, bv, bounded, mm, g_min,
+                   docs=None):
   # One K slice of one chunk:
   #   q_ref, k_ref, b_ref, g_ref (the caller's g, read only with g_min: the
   #   clamp's zero-gradient mask) [C, w]; beta_ref [C]; da_ref (dAqk),
@@ -86,8 +94,17 @@ def _grad_k_kernel(q_ref, k_ref, b_ref, g_ref, beta_ref, da_ref, dlk_ref,
   #   dh_ref (grad of the state leaving) [w, V] in the matmul dtype;
   #   dq_ref, dk_ref [C, w] in q's and k's dtype (cast here, not by an XLA
   #   pass); dg_ref [C, w] fp32; dbeta_ref [C] fp32 (this slice's part).
+  #   docs: packed documents (common.documents.ChunkDocuments) or None.
   do_s, du_s, x_dh, dh_s = state_side_terms(
       (do_ref, du_ref, vn_ref, s_ref, dh_ref), bv, mm, delta=True)
+  if docs is not None:
+    # The forward's masks on q exp(b) and W's rows (reads state), k exp(b_C
+    # - b) (in last) and exp(b_C) (keeps state), on their gradient terms.
+    do_s, du_s, x_dh = (
+        (lambda t, f=f, m=m: jnp.where(m(t), f(t), 0.0))
+        for f, m in ((do_s, docs.reads_state), (du_s, docs.reads_state),
+                     (x_dh, docs.in_last)))
+    dh_s = jnp.where(docs.keeps_state(), dh_s, 0.0)
 
   def row_terms(i, q_i, k_i, b_i):   # through S and the delta-rule rows
     beta_i = jax.lax.broadcast_in_dim(
@@ -121,17 +138,23 @@ def dvintra_call(aqk, dop, lay, scale, tune, interpret):
 
 
 def grad_v_call(m, lk, betap, vp, dop, v_new, dv_new, lay, scale, dtype,
-                bounded, tune, interpret):
+                bounded, tune, interpret, docs=None):
   """Per chunk, all of V: dv [B, Tp, H, V] in dtype; dU' [B, Tp, H, V] and,
   on the bounded path, dAqk, dLk [B, H, Tp, C] in the matmul dtype (fp32 on
-  the unbounded path); the V-side part of dbeta [B, H, Tp] fp32."""
+  the unbounded path); the V-side part of dbeta [B, H, Tp] fp32. docs: None
+  or the [B, Tp] document index of packed documents (common/documents.py).
+  """
   dv, mm = lay["dv"], lay["mm"]
   square_dtype = mm if bounded else F32
+  kernel, doc_in, doc_specs = _grad_v_kernel, [], []
+  if docs is not None:
+    kernel = with_documents(_grad_v_kernel, 7)
+    doc_in, doc_specs = [docs], [document_spec()]
   return pl.pallas_call(
-      functools.partial(_grad_v_kernel, scale=scale, bv=lay["bv"], mm=mm),
+      functools.partial(kernel, scale=scale, bv=lay["bv"], mm=mm),
       grid=(lay["bsz"], lay["h"], lay["n_chunks"]),
       in_specs=[square_spec(), square_spec(), beta_spec()]
-      + [chunk_spec(dv)] * 4,
+      + [chunk_spec(dv)] * 4 + doc_specs,
       out_specs=[chunk_spec(dv), chunk_spec(dv), square_spec(),
                  square_spec(), beta_spec()],
       out_shape=[
@@ -144,16 +167,17 @@ def grad_v_call(m, lk, betap, vp, dop, v_new, dv_new, lay, scale, dtype,
       compiler_params=tune.params("grad_v"),
       interpret=interpret,
       name="kda_chunk_grad_v",
-  )(m, lk, betap, vp, dop, v_new, dv_new)
+  )(m, lk, betap, vp, dop, v_new, dv_new, *doc_in)
 
 
 def grad_k_call(qp, kp_, bp, betap, dop, v_new, du, da, dlk, states,
                 dstates, lay, scale, bounded, tune, interpret, gp=None,
-                g_min=None, block_k=None):
+                g_min=None, block_k=None, docs=None):
   """Per chunk and K slice: dq, dk [B, Tp, H, Kp] in q's and k's dtype, dg
   [B, Tp, H, Kp] fp32 and the slice's part of dbeta [K slices, B, H, Tp]
   fp32. With g_min, dg is zero where gp (the caller's g, padded) < g_min.
-  block_k: grad_k's K slice width (None: lay["bk"])."""
+  block_k: grad_k's K slice width (None: lay["bk"]). docs: None or the
+  [B, Tp] document index of packed documents (common/documents.py)."""
   if g_min is None:
     gp = bp   # a placeholder: the kernel reads g only with g_min
   if block_k is not None:
@@ -162,8 +186,12 @@ def grad_k_call(qp, kp_, bp, betap, dop, v_new, du, da, dlk, states,
   k_block = chunk_spec(bk, True)
   side, side_specs = state_side_inputs([dop, du, v_new], states, dstates,
                                        lay)
+  kernel = _grad_k_kernel
+  if docs is not None:
+    kernel = with_documents(_grad_k_kernel, 7 + len(side))
+    side, side_specs = side + [docs], side_specs + [document_spec()]
   return pl.pallas_call(
-      functools.partial(_grad_k_kernel, scale=scale,
+      functools.partial(kernel, scale=scale,
                         bv=block_v(dv, cap=tune.grad_bv), bounded=bounded,
                         mm=lay["mm"], g_min=g_min),
       grid=(lay["bsz"], lay["h"], lay["n_chunks"], nk),

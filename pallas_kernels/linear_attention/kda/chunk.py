@@ -74,6 +74,17 @@ Bounded path caveat: the query-side dots of a diagonal tile, dAqk_ii @
 exp(b - c) <= 1 rescale: fp32/bf16 overflow needs row sums |dAqk . k| >
 ~3e38 / exp(15 |g_min|) (~5e2 at g_min = -5.5, ~1e6 at -5).
 
+Packed documents (segment_ids): one more input, the [B, Tp] int32
+document index of each token within its chunk (common/documents.py). The
+scores kernel masks Lk and Aqk to same-document pairs and stores q exp(b)
+on the rows that read the entering state, k exp(b_C - b) on the rows of the
+chunk's last document and exp(b_C) only for a chunk without a document
+start; the solve kernel masks W's rows like q exp(b). The state pass, its
+reverse and the output kernel run unchanged on these operands; grad_v masks
+dL and dAqk to same-document pairs and grad_k masks the terms through S,
+through k exp(b_C - b) and through exp(b_C) as the forward did. Without
+segment_ids no kernel takes the index and the kernels are the unpacked ones.
+
 The wrapper pads T with q=k=v=0, g=0, beta=0 (inert: L rows/columns vanish,
 V' = 0, dV' = 0, the state is unchanged) and K to a power of two with zero
 channels, only when needed, and slices back. Dots accumulate in fp32; with
@@ -90,6 +101,8 @@ import jax.numpy as jnp
 
 from pallas_kernels.linear_attention import ops
 from pallas_kernels.linear_attention.common import mosaic
+from pallas_kernels.linear_attention.common.documents import (
+    chunk_document_index)
 from pallas_kernels.linear_attention.common.output import output_call
 from pallas_kernels.linear_attention.common.tiles import (
     G_MIN_LOWEST, F32, GMinError, block_v, check_dims, check_g_min,
@@ -134,9 +147,11 @@ _STATIC = ("scale", "bounded", "interpret", "g_min", "tune")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("for_backward",))
-def _kda_fwd(q, k, v, g, beta, s0, *, scale, bounded, interpret, g_min, tune,
-             for_backward=False):
-  """q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; s0 [B, H, K, V].
+def _kda_fwd(q, k, v, g, beta, s0, docs, *, scale, bounded, interpret, g_min,
+             tune, for_backward=False):
+  """q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; s0 [B, H, K, V];
+  docs None or the [B, Tp] document index of packed documents
+  (common/documents.py).
 
   With for_backward, also returns the residuals: the intra kernels' outputs
   W, U, Aqk, qg, kg, ec, b, M, Lk (about twice the size of the inputs). With
@@ -146,7 +161,7 @@ def _kda_fwd(q, k, v, g, beta, s0, *, scale, bounded, interpret, g_min, tune,
   lay = call_layout(q, v, tune)
   qp, kp_, vp, gp, betap, s0p = prepare(q, k, v, g, beta, s0, lay)
   intra = intra_call(qp, kp_, gp, betap, vp, lay, bounded, interpret, tune,
-                     for_backward, g_min)
+                     for_backward, g_min, docs)
   w, u, aqk, qg, kg, ec = intra[:6]
   states, v_new, s_final = run_state_pass(w, u, kg, ec, s0p, lay, tune,
                                           interpret)
@@ -159,8 +174,8 @@ def _kda_fwd(q, k, v, g, beta, s0, *, scale, bounded, interpret, g_min, tune,
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _kda_bwd(q, k, v, beta, s0, intra, g, do, ds_final, *, scale, bounded,
-             interpret, g_min, tune):
+def _kda_bwd(q, k, v, beta, s0, docs, intra, g, do, ds_final, *, scale,
+             bounded, interpret, g_min, tune):
   """(dq, dk, dv, dg, dbeta, ds0) given do [B,T,H,V], ds_final [B,H,K,V] and
   the forward's residuals (the intra kernels' outputs, and g [B,T,H,K] when
   g_min clamps it: dg is zero where g < g_min; else g is None)."""
@@ -179,48 +194,51 @@ def _kda_bwd(q, k, v, beta, s0, intra, g, do, ds_final, *, scale, bounded,
                                          lay, scale, tune, interpret)
   dvp, du, da, dlk, dbeta_v = grad_v_call(m, lk, betap, vp, dop, v_new,
                                           dv_new, lay, scale, v.dtype,
-                                          bounded, tune, interpret)
+                                          bounded, tune, interpret, docs)
   gp = None if g_min is None else pad_to(g.astype(F32), tp, kp)
   dq, dk_, dg, dbeta_k = grad_k_call(qp, kp_, bp, betap, dop, v_new, du, da,
                                      dlk, states, dstates, lay, scale,
                                      bounded, tune, interpret, gp, g_min,
-                                     grad_k_block(tune, bounded))
+                                     grad_k_block(tune, bounded), docs)
   dbeta = jnp.transpose(dbeta_v + jnp.sum(dbeta_k, axis=0), (0, 2, 1))[:, :t]
   # dq, dk come in q's and k's dtype from grad_k (no XLA convert pass).
   dq, dk_, dg = (x[:, :t, :, :dk] for x in (dq, dk_, dg))
   return (dq, dk_, dvp[:, :t], dg, dbeta.astype(beta.dtype), ds0[:, :, :dk])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
-def _kda_pallas_vjp(q, k, v, g, beta, s0, scale, bounded, interpret, g_min,
-                    tune):
-  return _kda_fwd(q, k, v, g, beta, s0, scale=scale, bounded=bounded,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
+def _kda_pallas_vjp(q, k, v, g, beta, s0, docs, scale, bounded, interpret,
+                    g_min, tune):
+  return _kda_fwd(q, k, v, g, beta, s0, docs, scale=scale, bounded=bounded,
                   interpret=interpret, g_min=g_min, tune=tune)
 
 
-def _vjp_fwd(q, k, v, g, beta, s0, scale, bounded, interpret, g_min, tune):
+def _vjp_fwd(q, k, v, g, beta, s0, docs, scale, bounded, interpret, g_min,
+             tune):
   # The forward keeps what its intra kernels built (b, W, U, Aqk, M, Lk, qg,
   # kg, ec): the backward does not re-run them. g itself only when the
   # clamp needs its mask.
-  out, intra = _kda_fwd(q, k, v, g, beta, s0, scale=scale, bounded=bounded,
-                        interpret=interpret, g_min=g_min, tune=tune,
-                        for_backward=True)
-  return out, (q, k, v, beta, s0, intra, None if g_min is None else g)
+  out, intra = _kda_fwd(q, k, v, g, beta, s0, docs, scale=scale,
+                        bounded=bounded, interpret=interpret, g_min=g_min,
+                        tune=tune, for_backward=True)
+  return out, (q, k, v, beta, s0, docs, intra, None if g_min is None else g)
 
 
 def _vjp_bwd(scale, bounded, interpret, g_min, tune, res, cts):
-  q, k, v, beta, s0, intra, g = res
+  q, k, v, beta, s0, docs, intra, g = res
   do, ds_final = cts
-  return _kda_bwd(q, k, v, beta, s0, intra, g, do, ds_final, scale=scale,
-                  bounded=bounded, interpret=interpret, g_min=g_min,
-                  tune=tune)
+  grads = _kda_bwd(q, k, v, beta, s0, docs, intra, g, do, ds_final,
+                   scale=scale, bounded=bounded, interpret=interpret,
+                   g_min=g_min, tune=tune)
+  return grads + (None,)   # the document index is not differentiable
 
 
 _kda_pallas_vjp.defvjp(_vjp_fwd, _vjp_bwd)
 
 
 def kda_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min,
-               interpret=False, bounded=None, tune=DEFAULT_TUNING):
+               segment_ids=None, interpret=False, bounded=None,
+               tune=DEFAULT_TUNING):
   """Chunked KDA, forward and backward as Pallas kernels (jax.custom_vjp).
 
   Args:
@@ -229,6 +247,11 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min,
     scale: query scale or None (K**-0.5).
     initial_state: [B, H, K, V] or None (zeros).
     chunk_size: must be 64.
+    segment_ids: [B, T] int or None: packed documents (a document is a
+      contiguous run of equal ids); the state restarts from zero at each
+      document start inside a row (common/documents.py), the initial state
+      belongs to the row's first document and the final state is the row's
+      last document's. None runs the kernels without document masks.
     g_min: None (unbounded path: any g <= 0, no clamp) or a python float in
       [-5.5, 0), the caller's promise g >= g_min (bounded path). On the
       bounded path g below g_min is clamped to g_min (zero gradient there).
@@ -264,9 +287,15 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min,
   if tune.output_kernel == "mosaic":
     mosaic.check_state_pass(kp, dv, v.dtype, kp, block_v(dv, tune.bv),
                             "rows", whole_k=True, what="output_kernel")
+  docs = None
+  if segment_ids is not None:
+    if tuple(segment_ids.shape) != (bsz, q.shape[1]):
+      raise ValueError(f"segment_ids must have shape [B, T]="
+                       f"{(bsz, q.shape[1])}, got {tuple(segment_ids.shape)}")
+    docs = chunk_document_index(segment_ids, call_layout(q, v, tune)["tp"])
   return _kda_pallas_vjp(q, k, v, g.astype(F32), beta,
-                         initial_state.astype(F32), scale, bool(bounded),
-                         bool(interpret), clamp, tune)
+                         initial_state.astype(F32), docs, scale,
+                         bool(bounded), bool(interpret), clamp, tune)
 
 
 def register():

@@ -35,6 +35,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.linear_attention.common.documents import (
+    document_spec, with_documents)
 from pallas_kernels.linear_attention.common.tiles import (
     CHUNK, N_TILES, TILE, F32, NN, chunk_spec, cumsum_tiles, k_slice, mm_dot,
     row_slice_scores, shape_of, square_spec, square_tile, store_row,
@@ -105,7 +107,7 @@ def _store_lower_product(out_ref, cols, mt, rhs, mm):
 
 
 def _score_tiles(q_ref, k_ref, g_ref, b_ref, qg_ref, kg_ref, ec_ref, *, bk,
-                 bounded, mm, g_min, causal):
+                 bounded, mm, g_min, causal, docs=None):
   """Lk and Aqk of one chunk, summed over the K slices in one fori_loop:
   each slice computes b once for all 4 tiles and adds its part to all 10
   tile pairs of both (20 [16, 16] fp32 accumulators carried). On the way it
@@ -113,7 +115,7 @@ def _score_tiles(q_ref, k_ref, g_ref, b_ref, qg_ref, kg_ref, ec_ref, *, bk,
   3, k exp(b_C - b) and exp(b_C); `store_row_decays`). The loop is not
   unrolled: unrolled slices and tile pairs made a kernel ptxas took minutes
   to compile. Returns (lk, aqk): per row tile i, the i + 1 tiles j <= i
-  (unmasked)."""
+  (unmasked). docs: packed documents (`store_row_decays`), or None."""
 
   def body(kk, acc):
     cols = k_slice(kk, bk)
@@ -124,7 +126,7 @@ def _score_tiles(q_ref, k_ref, g_ref, b_ref, qg_ref, kg_ref, ec_ref, *, bk,
     for i in range(N_TILES):
       q_i = q_ref[tile_rows(i), cols].astype(F32)
       store_row_decays(i, cols, b, b_end, k_t, q_i, b_ref, qg_ref, kg_ref,
-                       ec_ref)
+                       ec_ref, docs)
       lk_s, aqk_s = row_slice_scores(i, [k_t[i], q_i], k_t, b, c, causal,
                                      bounded, mm)
       new_lk.append(tuple(a + p for a, p in zip(lk_acc[i], lk_s)))
@@ -137,36 +139,50 @@ def _score_tiles(q_ref, k_ref, g_ref, b_ref, qg_ref, kg_ref, ec_ref, *, bk,
 
 
 def _scores_kernel(q_ref, k_ref, g_ref, aqk_ref, qg_ref, kg_ref, ec_ref,
-                   lk_ref, *b_refs, bk, bounded, mm, g_min):
+                   lk_ref, *b_refs, bk, bounded, mm, g_min, docs=None):
   # q_ref, k_ref, g_ref, qg_ref, kg_ref [C, Kp]; aqk_ref [C, C] (matmul
   # dtype); lk_ref [C, C] fp32; ec_ref [Kp]; b_refs: (b_ref [C, Kp] fp32,)
-  # when the backward needs it.
+  # when the backward needs it. docs: packed documents
+  # (common.documents.ChunkDocuments) or None.
   row, col = tile_iota()
   causal, strict = row >= col, row > col
   lk, aqk = _score_tiles(q_ref, k_ref, g_ref, b_refs[0] if b_refs else None,
                          qg_ref, kg_ref, ec_ref, bk=bk, bounded=bounded,
-                         mm=mm, g_min=g_min, causal=causal)
+                         mm=mm, g_min=g_min, causal=causal, docs=docs)
   for i in range(N_TILES):
     lk_i, aqk_i = list(lk[i]), list(aqk[i])
     # where, not a product: masked overflow cannot leak.
-    lk_i[i] = jnp.where(strict, lk_i[i], 0.0)
-    aqk_i[i] = jnp.where(causal, aqk_i[i], 0.0)
+    if docs is None:
+      lk_i[i] = jnp.where(strict, lk_i[i], 0.0)
+      aqk_i[i] = jnp.where(causal, aqk_i[i], 0.0)
+    else:   # and pairs of different documents
+      for j in range(i + 1):
+        same = docs.same(i, j)
+        lk_i[j] = jnp.where(same & strict if j == i else same, lk_i[j], 0.0)
+        aqk_i[j] = jnp.where(same & causal if j == i else same, aqk_i[j],
+                             0.0)
     store_row(aqk_ref, i, aqk_i)
     store_row(lk_ref, i, lk_i)
 
 
 def _store_w_u(mt, beta_t, k_ref, g_ref, v_ref, w_ref, u_ref, *, bk, bv, mm,
-               g_min):
+               g_min, docs=None):
   """W = M (beta k exp(b)), slice by slice of K (b recomputed from g: the
   same bits as the stored b), and U = M (beta v) in blocks of bv columns
-  (power-of-two loads), from the lower-triangular tiles mt of M."""
+  (power-of-two loads), from the lower-triangular tiles mt of M. docs
+  (packed documents, or None): W's right-hand side kept on the rows that
+  read the entering state (M is block diagonal by document, so this masks
+  W's rows alike)."""
 
   def w_body(kk, carry):
     cols = k_slice(kk, bk)
     b, _, _ = cumsum_tiles(g_ref, cols, g_min=g_min)
-    _store_lower_product(w_ref, cols, mt, [
-        beta_t[j] * k_ref[tile_rows(j), cols].astype(F32) * jnp.exp(b[j])
-        for j in range(N_TILES)], mm)
+    rhs = [beta_t[j] * k_ref[tile_rows(j), cols].astype(F32) * jnp.exp(b[j])
+           for j in range(N_TILES)]
+    if docs is not None:
+      rhs = [jnp.where(docs.reads_state(j), r, 0.0)
+             for j, r in enumerate(rhs)]
+    _store_lower_product(w_ref, cols, mt, rhs, mm)
     return carry
 
   jax.lax.fori_loop(0, k_ref.shape[-1] // bk, w_body, 0)
@@ -178,10 +194,11 @@ def _store_w_u(mt, beta_t, k_ref, g_ref, v_ref, w_ref, u_ref, *, bk, bv, mm,
 
 
 def _solve_kernel(lk_ref, k_ref, g_ref, beta_ref, v_ref, w_ref, u_ref,
-                  *m_refs, bk, bv, mm, g_min, dot):
-  # lk_ref [C, C] fp32; k_ref, g_ref, w_ref [C, Kp]; beta_ref [C]; v_ref,
-  # u_ref [C, V]; m_refs: (m_ref [C, C] matmul dtype,) when the backward
-  # needs it. dot: the inverse's fp32 dot (`inverse_dot`).
+                  *m_refs, bk, bv, mm, g_min, dot, docs=None):
+  # lk_ref [C, C] fp32 (zero across documents when packed); k_ref, g_ref,
+  # w_ref [C, Kp]; beta_ref [C]; v_ref, u_ref [C, V]; m_refs: (m_ref [C, C]
+  # matmul dtype,) when the backward needs it. dot: the inverse's fp32 dot
+  # (`inverse_dot`). docs: packed documents or None.
   row, col = tile_iota()
   beta_t = beta_tiles(beta_ref)
   mt = {}
@@ -191,7 +208,7 @@ def _solve_kernel(lk_ref, k_ref, g_ref, beta_ref, v_ref, w_ref, u_ref,
     if m_refs:
       store_row(m_refs[0], i, [mt[i, j] for j in range(i + 1)])
   _store_w_u(mt, beta_t, k_ref, g_ref, v_ref, w_ref, u_ref, bk=bk, bv=bv,
-             mm=mm, g_min=g_min)
+             mm=mm, g_min=g_min, docs=docs)
 
 
 def beta_spec():
@@ -200,14 +217,15 @@ def beta_spec():
 
 
 def intra_call(qp, kp_, gp, betap, vp, lay, bounded, interpret, tune,
-               for_backward=False, g_min=None):
+               for_backward=False, g_min=None, docs=None):
   """Kernels 1a and 1b. Returns [W, U, Aqk, qg, kg, ec] (+ [b, M, Lk] with
   for_backward): W, qg = q exp(b), kg = k exp(b_C - b) [B, Tp, H, Kp] and U
   [B, Tp, H, V] in the matmul dtype; b [B, Tp, H, Kp] fp32 (the
   within-chunk cumsum of g); ec = exp(b_C) [B, H, N, Kp] fp32; Aqk, M
   [B, H, Tp, C] in the matmul dtype and Lk [B, H, Tp, C] fp32 (lower
   triangular [C, C] per chunk). With g_min, g is clamped to it inside the
-  kernels."""
+  kernels. docs: None, or the [B, Tp] int32 document index of packed
+  documents (common/documents.py): the outputs then carry its masks."""
   kp, dv, mm = lay["kp"], lay["dv"], lay["mm"]
   grid = (lay["bsz"], lay["h"], lay["n_chunks"])
   square = shape_of(lay, "bsz", "h", "tp", "chunk", dtype=mm)
@@ -224,17 +242,23 @@ def intra_call(qp, kp_, gp, betap, vp, lay, bounded, interpret, tune,
   if for_backward:
     out_specs.append(chunk_spec(kp))
     out_shape.append(shape_of(lay, "bsz", "tp", "h", "kp"))
+  scores_kernel, solve_kernel = _scores_kernel, _solve_kernel
+  doc_in, doc_specs = [], []
+  if docs is not None:   # one more input, after the usual ones
+    scores_kernel = with_documents(_scores_kernel, 3)
+    solve_kernel = with_documents(_solve_kernel, 5)
+    doc_in, doc_specs = [docs], [document_spec()]
   scores = pl.pallas_call(
-      functools.partial(_scores_kernel, bk=lay["bk"], bounded=bounded,
+      functools.partial(scores_kernel, bk=lay["bk"], bounded=bounded,
                         mm=mm, g_min=g_min),
       grid=grid,
-      in_specs=[chunk_spec(kp)] * 3,
+      in_specs=[chunk_spec(kp)] * 3 + doc_specs,
       out_specs=out_specs,
       out_shape=out_shape,
       compiler_params=tune.params("scores"),
       interpret=interpret,
       name="kda_chunk_scores",
-  )(qp, kp_, gp)
+  )(qp, kp_, gp, *doc_in)
   aqk, qg, kg, ec, lk = scores[:5]
   # Kernel 1b: M (+ stored), W, U.
   out_specs = [chunk_spec(kp), chunk_spec(dv)]
@@ -243,17 +267,17 @@ def intra_call(qp, kp_, gp, betap, vp, lay, bounded, interpret, tune,
     out_specs.append(square_spec())
     out_shape.append(square)
   solved = pl.pallas_call(
-      functools.partial(_solve_kernel, bk=lay["bk"], bv=lay["bv"], mm=mm,
+      functools.partial(solve_kernel, bk=lay["bk"], bv=lay["bv"], mm=mm,
                         g_min=g_min, dot=inverse_dot(mm, interpret)),
       grid=grid,
       in_specs=[square_spec(), chunk_spec(kp), chunk_spec(kp), beta_spec(),
-                chunk_spec(dv)],
+                chunk_spec(dv)] + doc_specs,
       out_specs=out_specs,
       out_shape=out_shape,
       compiler_params=tune.params("solve"),
       interpret=interpret,
       name="kda_chunk_solve",
-  )(lk, kp_, gp, betap, vp)
+  )(lk, kp_, gp, betap, vp, *doc_in)
   out = [solved[0], solved[1], aqk, qg, kg, ec]
   if for_backward:
     out += [scores[5], solved[2], lk]

@@ -12,8 +12,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.linear_attention.common.naive import (
-    F32, PREC, check_chunk_size, chunk_decays, default_scale, from_chunks,
-    init_state, pair_decays, pair_scores, scan_chunks, time_major, to_chunks)
+    F32, PREC, check_chunk_size, chunk_decays, chunk_document_masks,
+    default_scale, document_starts, from_chunks, init_state, pair_decays,
+    pair_scores, scan_chunks, time_major, to_chunks)
 
 
 def _step_kda_f32(q, k, v, g, beta, state, scale):
@@ -42,14 +43,6 @@ def recurrent_step_kda(q, k, v, g, beta, state, *, scale=None):
                        g.astype(F32), beta.astype(F32), state.astype(F32),
                        scale)
   return o.astype(v.dtype), s
-
-
-def document_starts(segment_ids):
-  """[B, T] segment ids -> bool [B, T], True where a new document starts
-  inside the row (never at position 0: the row's first document takes the
-  initial state)."""
-  prev = jnp.concatenate([segment_ids[:, :1], segment_ids[:, :-1]], axis=1)
-  return segment_ids != prev
 
 
 def naive_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None,
@@ -153,7 +146,7 @@ def chunk_kda_ref(q, k, v, g, beta, *, scale=None, initial_state=None,
   b_cum, eb, eb_last, eb_rest = chunk_decays(gc)
   same_doc = reads_state = in_last = keeps_state = None
   if segment_ids is not None:
-    same_doc, reads_state, in_last, keeps_state = _chunk_document_masks(
+    same_doc, reads_state, in_last, keeps_state = chunk_document_masks(
         segment_ids, chunk_size)
     eb_read = eb * reads_state
     eb_rest = eb_rest * in_last
@@ -186,30 +179,3 @@ def chunk_kda_ref(q, k, v, g, beta, *, scale=None, initial_state=None,
                           precision=PREC)
                + jnp.einsum("bhnij,bhnjv->bhniv", aqk, v_new, precision=PREC))
   return from_chunks(o, t, v.dtype), s_final
-
-
-def _chunk_document_masks(segment_ids, chunk_size):
-  """Per-chunk document masks for `chunk_kda_ref` (fp32 0/1 except same_doc).
-
-  Args:
-    segment_ids: [B, T] int; padded up to N*C with the last id (the zero
-      padding of `to_chunks` then joins the row's last document, neutral).
-  Returns:
-    same_doc bool [B, 1, N, C, C] (pair (i, j) in one document),
-    reads_state [B, 1, N, C, 1] (token in the document of the token before
-      the chunk), in_last [B, 1, N, C, 1] (token in the chunk's last
-      document), keeps_state [B, 1, N, 1] (the chunk has no document start).
-  """
-  b, t = segment_ids.shape
-  n = -(-t // chunk_size)
-  seg = jnp.pad(segment_ids, [(0, 0), (0, n * chunk_size - t)], mode="edge")
-  seg = seg.reshape(b, 1, n, chunk_size)
-  # Document of the token before each chunk; the first chunk's is its own
-  # first token's (the initial state belongs to the row's first document).
-  before = jnp.concatenate([seg[:, :, :1, 0], seg[:, :, :-1, -1]], axis=2)
-  last = seg[..., -1]
-  same_doc = seg[..., :, None] == seg[..., None, :]
-  reads_state = (seg == before[..., None]).astype(F32)[..., None]
-  in_last = (seg == last[..., None]).astype(F32)[..., None]
-  keeps_state = (last == before).astype(F32)[..., None]
-  return same_doc, reads_state, in_last, keeps_state

@@ -1,4 +1,9 @@
 """Agentic RL: tool environments, GRPO loss and step, multi-turn rollouts."""
+import importlib.util
+import json
+import pathlib
+import shutil
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,10 +16,8 @@ from moe_jax.model import build_model
 from moe_jax.rl import envs, grpo, rollout
 from moe_jax.rl import loop as rl_loop
 from moe_jax.train.optimizer import make_optimizer
+from moe_jax.train.checkpoint import Checkpointer, abstract_like
 from moe_jax.train.step import init_train_state
-
-import importlib.util
-import pathlib
 
 _spec = importlib.util.spec_from_file_location(
     "rl_config", pathlib.Path(__file__).parents[1] / "configs" / "rl.py")
@@ -281,3 +284,56 @@ def test_grpo_step_updates_params_and_router(tiny):
   with pytest.raises(ValueError, match="rl.router"):
     grpo.make_grpo_step(model, tx, config.model.moe, clip_eps=0.2,
                         kl_beta=0.1, router="adaptive")
+
+
+# ----------------------------------------------------------------------------
+# Resuming the RL phase.
+# ----------------------------------------------------------------------------
+
+class _Interrupted(Exception):
+  pass
+
+
+def test_rl_run_resumes_to_the_uninterrupted_params(tmp_path, monkeypatch):
+  config = rl_config.get_config("tiny")
+  config.rl.checkpoint_every = 1
+  config.rl.eval_every = 10  # held-out evaluation only at the end
+  full, part = str(tmp_path / "full"), str(tmp_path / "part")
+  rl_loop.run(config, full)
+  # The interrupted run reuses the finished warm-up; it stops right after
+  # RL step 1's checkpoint, as a run killed there would.
+  shutil.copytree(f"{full}/warmup", f"{part}/warmup")
+  save = rl_loop._save
+
+  def save_then_stop(ckpt, step, *args, **kwargs):
+    save(ckpt, step, *args, **kwargs)
+    if ckpt.workdir.startswith(part) and ckpt.workdir.endswith("rl"):
+      raise _Interrupted(step)
+
+  monkeypatch.setattr(rl_loop, "_save", save_then_stop)
+  with pytest.raises(_Interrupted):
+    rl_loop.run(config, part)
+  monkeypatch.setattr(rl_loop, "_save", save)
+  rows = [json.loads(l) for l in open(f"{part}/metrics.jsonl")]
+  assert [r["step"] for r in rows if r["split"] == "rl"] == [1]
+  with open(f"{part}/metrics.jsonl", "a") as f:  # written after the save
+    f.write(json.dumps({"step": 2, "split": "rl", "reward": -1.0}) + "\n")
+  resumed = rl_loop.run(config, part)
+
+  model, tx = build_model(config), rl_loop.rl_optimizer(config)
+  state = init_train_state(model, make_optimizer(config.train),
+                           jax.random.PRNGKey(0), 16)
+  target = abstract_like(state.replace(opt_state=tx.init(state.params)))
+  def restore(workdir):
+    ckpt = Checkpointer(f"{workdir}/rl")
+    try:
+      return ckpt.restore(2, target)[0]
+    finally:
+      ckpt.close()
+  a, b = restore(full), restore(part)
+  assert int(a.step) == int(b.step) == 2
+  jax.tree.map(np.testing.assert_array_equal, a, b)
+  assert resumed == rl_loop.run(config, full)  # finished: nothing reruns
+  rows = [json.loads(l) for l in open(f"{part}/metrics.jsonl")]
+  assert [r["step"] for r in rows if r["split"] == "rl"] == [1, 2]
+  assert all(r["reward"] >= 0 for r in rows if r["split"] == "rl")

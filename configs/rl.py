@@ -74,7 +74,7 @@ VARIANTS = {
         "model.moe.num_experts": 8, "model.moe.d_expert": 32,
         "model.moe.d_shared": 32, "train.steps": 2, "train.warmup_steps": 1,
         "train.progress_bar": False, "data.batch_size": 4,
-        "rl.turn_tokens": 12, "rl.max_turns": 2,
+        "rl.max_len": 160, "rl.turn_tokens": 8, "rl.max_turns": 2,
         "rl.steps": 2, "rl.prompts_per_step": 2, "rl.group_size": 2,
         "rl.eval_every": 2, "rl.eval_tasks": 2, "rl.eval_samples": 2,
         "rl.checkpoint_every": 2}),

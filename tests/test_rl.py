@@ -218,9 +218,13 @@ def tiny():
   config = rl_config.get_config("tiny")
   model = build_model(config)
   tx = make_optimizer(config.train)
-  state = init_train_state(model, tx, jax.random.PRNGKey(0), 16)
-  layout = rollout.Layout(prompt_len=96, max_len=160, obs_len=32,
-                          turn_tokens=8, max_turns=2)
+  # Placed as the RL loop places its states, so that the run below reuses
+  # the programs these tests compile.
+  state = rl_loop.placed(init_train_state(model, tx, jax.random.PRNGKey(0),
+                                          16))
+  layout = rl_loop.layout_of(config.rl)
+  assert (layout.prompt_len, layout.max_len, layout.obs_len,
+          layout.turn_tokens, layout.max_turns) == (96, 160, 32, 8, 2)
   tasks = [t for i in range(2) for t in [envs.make_task(0, "train", i)] * 2]
   return config, model, tx, state, layout, tasks
 
@@ -256,15 +260,13 @@ def test_rollouts_deterministic_with_tool_outputs_masked(tiny):
 def test_grpo_step_updates_params_and_router(tiny):
   config, model, _, state, layout, tasks = tiny
   tx = rl_loop.rl_optimizer(config)
-  state = state.replace(opt_state=tx.init(state.params))
+  state = rl_loop.placed(state.replace(opt_state=tx.init(state.params)))
   batch = rollout.rollout(model, state.params, state.router_state, tasks,
                           jax.random.PRNGKey(1), layout).train_batch()
   batch["advantages"] = np.array([1.0, -1.0, 0.5, -0.5], np.float32)
-  log_probs = jax.jit(grpo.make_log_prob_fn(model))
+  step, log_probs = rl_loop.rl_steps(model, config)  # qb, as the run's
   batch["old_log_probs"] = log_probs(state.params, state.router_state, batch)
   batch["ref_log_probs"] = batch["old_log_probs"]
-  step = jax.jit(grpo.make_grpo_step(model, tx, config.model.moe,
-                                     clip_eps=0.2, kl_beta=0.1, router="qb"))
   new, metrics = step(state, batch)
   assert int(new.step) == 1
   assert all(np.isfinite(float(v)) for v in metrics.values())
@@ -294,20 +296,26 @@ class _Interrupted(Exception):
   pass
 
 
-def test_rl_run_resumes_to_the_uninterrupted_params(tmp_path, monkeypatch):
+def test_rl_run_resumes_to_the_uninterrupted_params(tiny, tmp_path,
+                                                    monkeypatch):
+  state = tiny[3]
   config = rl_config.get_config("tiny")
   config.rl.checkpoint_every = 1
   config.rl.eval_every = 10  # held-out evaluation only at the end
   full, part = str(tmp_path / "full"), str(tmp_path / "part")
+  # Both runs start from the same finished warm-up (the fixture's state).
+  for workdir in (full, part):
+    ckpt = Checkpointer(f"{workdir}/warmup")
+    rl_loop._save(ckpt, config.train.steps, state, config)
+    ckpt.close()
   rl_loop.run(config, full)
-  # The interrupted run reuses the finished warm-up; it stops right after
-  # RL step 1's checkpoint, as a run killed there would.
-  shutil.copytree(f"{full}/warmup", f"{part}/warmup")
+  # The other run stops right after RL step 1's checkpoint, as a run killed
+  # there would.
   save = rl_loop._save
 
   def save_then_stop(ckpt, step, *args, **kwargs):
     save(ckpt, step, *args, **kwargs)
-    if ckpt.workdir.startswith(part) and ckpt.workdir.endswith("rl"):
+    if ckpt.workdir == f"{part}/rl":
       raise _Interrupted(step)
 
   monkeypatch.setattr(rl_loop, "_save", save_then_stop)
@@ -320,10 +328,9 @@ def test_rl_run_resumes_to_the_uninterrupted_params(tmp_path, monkeypatch):
     f.write(json.dumps({"step": 2, "split": "rl", "reward": -1.0}) + "\n")
   resumed = rl_loop.run(config, part)
 
-  model, tx = build_model(config), rl_loop.rl_optimizer(config)
-  state = init_train_state(model, make_optimizer(config.train),
-                           jax.random.PRNGKey(0), 16)
+  tx = rl_loop.rl_optimizer(config)
   target = abstract_like(state.replace(opt_state=tx.init(state.params)))
+
   def restore(workdir):
     ckpt = Checkpointer(f"{workdir}/rl")
     try:

@@ -24,9 +24,11 @@ interrupted run wrote past that checkpoint are dropped from metrics.jsonl.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -77,6 +79,31 @@ def rl_optimizer(config) -> optax.GradientTransformation:
   return make_optimizer(tcfg)
 
 
+def rl_steps(model, config) -> tuple[Callable, Callable]:
+  """(grpo_step, log_probs), jitted, for config's optimizer and GRPO fields.
+
+  Cached on the model and those fields, so that runs in one process (a
+  resumed run, tests) share the compiled programs.
+  """
+  rl_cfg = config.rl
+  text = lambda c: json.dumps(c.to_dict(), sort_keys=True)
+  return _rl_steps(model, text(config.train), text(config.model.moe),
+                   rl_cfg.learning_rate, rl_cfg.clip_eps, rl_cfg.kl_beta,
+                   rl_cfg.router)
+
+
+@functools.lru_cache(maxsize=4)
+def _rl_steps(model, train_json, moe_json, learning_rate, clip_eps, kl_beta,
+              router) -> tuple[Callable, Callable]:
+  config = ml_collections.ConfigDict({
+      "train": json.loads(train_json), "rl": {"learning_rate": learning_rate}})
+  moe_cfg = ml_collections.ConfigDict(json.loads(moe_json))
+  grpo_step = jax.jit(grpo.make_grpo_step(
+      model, rl_optimizer(config), moe_cfg, clip_eps=clip_eps,
+      kl_beta=kl_beta, router=router))
+  return grpo_step, jax.jit(grpo.make_log_prob_fn(model))
+
+
 def evaluate_tasks(model, params, router_state, tasks, rng, layout,
                    samples: int) -> dict:
   """pass@1 (mean reward over `samples` rollouts per task), best-of-N (a
@@ -94,7 +121,7 @@ def _save(ckpt: Checkpointer, step: int, state, config,
   ckpt.save(step, state, dict(data or {}, step=int(step)), config.to_dict())
 
 
-def _check_config(where: str, config) -> callable:
+def _check_config(where: str, config) -> Callable:
   """check_config for Checkpointer.restore_latest: refuses shape changes,
   logs the other changes."""
   def check(step, saved):
@@ -106,18 +133,28 @@ def _check_config(where: str, config) -> callable:
   return check
 
 
+def placed(tree):
+  """tree committed to the first device, fresh or restored alike.
+
+  Restored arrays come back committed to a device and fresh ones do not;
+  jit compiles a program once for each, so the loop puts both in one place.
+  """
+  return jax.device_put(tree, jax.devices()[0])
+
+
 def warmup(config, model, workdir: str, writer: MetricsWriter,
            rng: jax.Array) -> TrainState:
   """The supervised warm-up's final state, trained or restored."""
   layout, bsz = layout_of(config.rl), config.data.batch_size
   tx = make_optimizer(config.train)
-  state = init_train_state(model, tx, rng, layout.max_len - 1)
+  init = lambda r: init_train_state(model, tx, r, layout.max_len - 1)
   ckpt = Checkpointer(os.path.join(workdir, "warmup"), keep=1)
   try:
     if ckpt.latest_step() == config.train.steps:
-      state, _, _ = ckpt.restore(config.train.steps, abstract_like(state))
+      state, _, _ = ckpt.restore(config.train.steps, jax.eval_shape(init, rng))
       logging.info("Warm-up restored from step %d", config.train.steps)
-      return state
+      return placed(state)
+    state = placed(init(rng))
     sft_step = jax.jit(make_train_step(model, tx, config.model.moe,
                                        make_schedule(config.train)))
     demo_rng = np.random.default_rng(config.seed)
@@ -160,13 +197,15 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     # GRPO from the warm-up params; they stay as the KL reference.
     tx = rl_optimizer(config)
     ref_params = warm.params
-    state = TrainState(step=jnp.zeros((), jnp.int32), params=warm.params,
-                       opt_state=tx.init(warm.params),
-                       router_state=warm.router_state)
+    state = placed(TrainState(step=jnp.zeros((), jnp.int32),
+                              params=warm.params,
+                              opt_state=tx.init(warm.params),
+                              router_state=warm.router_state))
     restored = rl_ckpt.restore_latest(abstract_like(state),
                                       _check_config(rl_dir, config))
     if restored is not None:
       start, state, data, _ = restored
+      state = placed(state)
       if data.get("warmup_steps") != config.train.steps:
         raise RLWorkdirError(
             f"{rl_dir} continues a warm-up of {data.get('warmup_steps')} "
@@ -189,10 +228,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                          "results": results,
                          "warmup_steps": config.train.steps}
 
-    grpo_step = jax.jit(grpo.make_grpo_step(
-        model, tx, moe_cfg, clip_eps=rl_cfg.clip_eps,
-        kl_beta=rl_cfg.kl_beta, router=rl_cfg.router))
-    log_probs = jax.jit(grpo.make_log_prob_fn(model))
+    grpo_step, log_probs = rl_steps(model, config)
     g, p = rl_cfg.group_size, rl_cfg.prompts_per_step
     for step in range(start, rl_cfg.steps):
       t0 = time.time()

@@ -32,9 +32,11 @@ _spec.loader.exec_module(rl_config)
 def test_environment_answers_verified_and_splits_disjoint():
   for split in envs.SPLITS:
     for i in range(200):
-      task = envs.make_task(3, split, i)
-      assert envs.check_demo(task), task
-      assert envs.make_task(3, split, i) == task  # a function of the seed
+      for level in envs.DIFFICULTIES:
+        task = envs.make_task(3, split, i, difficulty=level)
+        assert envs.check_demo(task), task
+        # A function of (seed, split, index, difficulty).
+        assert envs.make_task(3, split, i, difficulty=level) == task
   # Held-out operands and keys never occur in train tasks.
   train_ops = {int(n) for i in range(0, 200, 2) for n in
                envs._NUMBER.findall(envs.make_task(3, "train", i).prompt)}
@@ -45,6 +47,23 @@ def test_environment_answers_verified_and_splits_disjoint():
              for k in envs.make_task(3, "heldout", i).store)
   assert not any("q" in k for i in range(1, 50, 2)
                  for k in envs.make_task(3, "train", i).store)
+  # Easy level: one call; held-out operands and keys unseen in training,
+  # with every letter of held-out keys seen in training keys.
+  easy = {split: [envs.make_task(3, split, i, difficulty="easy")
+                  for i in range(200)] for split in envs.SPLITS}
+  ops = {split: {int(n) for t in ts if t.kind == "calc"
+                 for n in envs._NUMBER.findall(t.prompt)}
+         for split, ts in easy.items()}
+  keys = {split: {k for t in ts for k in t.store}
+          for split, ts in easy.items()}
+  assert ops["train"] and ops["heldout"] and not ops["train"] & ops["heldout"]
+  assert keys["heldout"] and not keys["train"] & keys["heldout"]
+  assert set("".join(keys["heldout"])) <= set("".join(keys["train"]))
+  assert all(len([s for s, own in t.demo if own]) == 2
+             for ts in easy.values() for t in ts)
+  # They fit the easy variant's buffer (demo_batch raises otherwise).
+  rollout.demo_batch(easy["train"] + easy["heldout"], rl_loop.layout_of(
+      rl_config.get_config("easy").rl), np.random.default_rng(0), 4)
   # A wrong answer gets no reward.
   task = envs.make_task(3, "train", 0)
   assert envs.reward(task, f" {task.answer} ") == 1.0
@@ -199,7 +218,10 @@ def test_rl_config_validation():
   validate_config(config)
   assert config_validation.RL_TASK_KINDS == envs.KINDS
   assert config_validation.RL_ROUTER_MODES == grpo.ROUTER_MODES
+  assert config_validation.RL_DIFFICULTIES == envs.DIFFICULTIES
+  validate_config(rl_config.get_config("easy,cpu"))
   for field, value in (("rl.router", "adaptive"), ("rl.tasks", "calc,chess"),
+                       ("rl.difficulty", "hard"),
                        ("rl.group_size", 1), ("rl.clip_eps", 1.5),
                        ("rl.max_len", 100)):
     bad = rl_config.get_config("tiny")

@@ -61,7 +61,7 @@ VARIANTS = {
         "model.num_layers": 2, "model.layer_pattern": "KM",
         "model.moe.num_experts": 4, "train.steps": 250,
         "train.log_every": 50, "train.progress_bar": False,
-        "rl.steps": 200, "rl.learning_rate": 1e-3, "rl.eval_every": 50,
+        "rl.steps": 400, "rl.prompts_per_step": 8, "rl.eval_every": 50,
         "rl.eval_tasks": 64, "rl.eval_samples": 8,
         "rl.checkpoint_every": 50}),
     # Small and short, for tests and a CPU smoke run (turns too short to

@@ -10,9 +10,10 @@ run(config, workdir):
   3. rl.steps GRPO steps: rl.prompts_per_step train tasks x rl.group_size
      rollouts, group-normalised advantages, one update per batch (so the
      ratio's old policy is the sampling one), the k3 KL to the frozen warm-up
-     params. Held-out evaluation every rl.eval_every steps and at the end.
+     params. Evaluation (held-out tasks and unseen train-distribution
+     tasks) every rl.eval_every steps and at the end.
 Metrics go to <workdir>/metrics.jsonl (and TensorBoard) with split "warmup",
-"rl", "heldout" or "train_tasks" (the warm-up model on train tasks).
+"rl", "heldout" or "train_tasks" (unseen tasks of the train distribution).
 
 Resuming: a workdir whose warm-up finished skips it (restored from
 <workdir>/warmup). The RL phase saves (params, optimizer state, router
@@ -107,13 +108,18 @@ def _rl_steps(model, train_json, moe_json, learning_rate, clip_eps, kl_beta,
 def evaluate_tasks(model, params, router_state, tasks, rng, layout,
                    samples: int) -> dict:
   """pass@1 (mean reward over `samples` rollouts per task), best-of-N (a
-  task counts when any of its N rollouts is right), mean length."""
+  task counts when any of its N rollouts is right), mean length; pass@1 of
+  each task kind as pass_at_1/<kind>."""
   group = [t for t in tasks for _ in range(samples)]
   r = rollout.rollout(model, params, router_state, group, rng, layout)
   rewards = r.rewards.reshape(len(tasks), samples)
-  return {"pass_at_1": float(rewards.mean()),
-          f"best_of_{samples}": float(rewards.max(axis=1).mean()),
-          "length": float(r.lengths.mean())}
+  out = {"pass_at_1": float(rewards.mean()),
+         f"best_of_{samples}": float(rewards.max(axis=1).mean()),
+         "length": float(r.lengths.mean())}
+  for kind in sorted({t.kind for t in tasks}):
+    rows = [i for i, t in enumerate(tasks) if t.kind == kind]
+    out[f"pass_at_1/{kind}"] = float(rewards[rows].mean())
+  return out
 
 
 def _save(ckpt: Checkpointer, step: int, state, config,
@@ -173,8 +179,8 @@ def warmup(config, model, workdir: str, writer: MetricsWriter,
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Warm-up then GRPO in workdir, resuming what a previous run left; returns
-  the held-out evaluations ({"warmup": {...}, "rl": {...}}, the last of each
-  phase) and the warm-up model's on train tasks ("warmup_train")."""
+  the last evaluations of each phase: held-out ("warmup", "rl") and on
+  unseen tasks of the train distribution ("warmup_train", "rl_train")."""
   validate_config(config)
   rl_cfg, moe_cfg = config.rl, config.model.moe
   layout = layout_of(rl_cfg)
@@ -185,6 +191,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     json.dump(config.to_dict(), f, indent=2, sort_keys=True)
   rng = jax.random.PRNGKey(config.seed)
   heldout = make_tasks(config, "heldout", 0, rl_cfg.eval_tasks)
+  # Unseen tasks of the train distribution (GRPO draws from 10**6 on).
+  train_eval = make_tasks(config, "train", 2 * 10**6, rl_cfg.eval_tasks)
   eval_rng = jax.random.fold_in(rng, 1)
   evaluate = lambda state, tasks: evaluate_tasks(
       model, state.params, state.router_state, tasks, eval_rng, layout,
@@ -219,8 +227,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
       start, rl_rng, results = 0, jax.random.fold_in(rng, 2), {}
       results["warmup"] = evaluate(warm, heldout)
       writer.write(0, results["warmup"], split="heldout")
-      results["warmup_train"] = evaluate(
-          warm, make_tasks(config, "train", 2 * 10**6, rl_cfg.eval_tasks))
+      results["warmup_train"] = evaluate(warm, train_eval)
       writer.write(0, results["warmup_train"], split="train_tasks")
       logging.info("Warm-up held-out: %s; train tasks: %s",
                    results["warmup"], results["warmup_train"])
@@ -252,7 +259,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
       if (step + 1) % rl_cfg.eval_every == 0 or step + 1 == rl_cfg.steps:
         results["rl"] = evaluate(state, heldout)
         writer.write(step + 1, results["rl"], split="heldout")
-        logging.info("RL step %d held-out: %s", step + 1, results["rl"])
+        results["rl_train"] = evaluate(state, train_eval)
+        writer.write(step + 1, results["rl_train"], split="train_tasks")
+        logging.info("RL step %d held-out: %s; train tasks: %s", step + 1,
+                     results["rl"], results["rl_train"])
       if (step + 1) % rl_cfg.checkpoint_every == 0 or \
           step + 1 == rl_cfg.steps:
         _save(rl_ckpt, step + 1, state, config, ckpt_data())

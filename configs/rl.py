@@ -10,6 +10,11 @@ Launch (from the repo root):
 Variants:
   python -m experiments.rl --config=configs/rl.py:tiny --workdir=runs/rl_tiny
   python -m experiments.rl --config=configs/rl.py:frozen_router --workdir=runs/rl_frozen
+The CPU run of results/rl.md (easy tasks, a two-layer model; ~25 min on
+2 cores):
+  python -m experiments.rl --config=configs/rl.py:easy,cpu --workdir=runs/rl_easy
+An interrupted run resumes from <workdir>/rl's newest checkpoint when rerun
+with the same command.
 Overrides:
   python -m experiments.rl --config=configs/rl.py --config.rl.group_size=16 \
       --config.rl.steps=200 --workdir=runs/rl_g16

@@ -109,7 +109,7 @@ def evaluate_tasks(model, params, router_state, tasks, rng, layout,
                    samples: int) -> dict:
   """pass@1 (mean reward over `samples` rollouts per task), best-of-N (a
   task counts when any of its N rollouts is right), mean length; pass@1 of
-  each task kind as pass_at_1/<kind>."""
+  each task kind as pass_at_1/<kind> and best_of_N/<kind>."""
   group = [t for t in tasks for _ in range(samples)]
   r = rollout.rollout(model, params, router_state, group, rng, layout)
   rewards = r.rewards.reshape(len(tasks), samples)
@@ -119,6 +119,7 @@ def evaluate_tasks(model, params, router_state, tasks, rng, layout,
   for kind in sorted({t.kind for t in tasks}):
     rows = [i for i, t in enumerate(tasks) if t.kind == kind]
     out[f"pass_at_1/{kind}"] = float(rewards[rows].mean())
+    out[f"best_of_{samples}/{kind}"] = float(rewards[rows].max(axis=1).mean())
   return out
 
 

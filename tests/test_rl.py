@@ -347,7 +347,10 @@ def test_rl_run_resumes_to_the_uninterrupted_params(tiny, tmp_path,
   rows = [json.loads(l) for l in open(f"{part}/metrics.jsonl")]
   assert [r["step"] for r in rows if r["split"] == "rl"] == [1]
   with open(f"{part}/metrics.jsonl", "a") as f:  # written after the save
-    f.write(json.dumps({"step": 2, "split": "rl", "reward": -1.0}) + "\n")
+    for split in ("rl", "heldout", "train_tasks"):
+      f.write(json.dumps({"step": 2, "split": split, "reward": -1.0}) + "\n")
+    # The warm-up's rows count its own steps: they stay.
+    f.write(json.dumps({"step": 300, "split": "warmup", "ce": 0.1}) + "\n")
   resumed = rl_loop.run(config, part)
 
   tx = rl_loop.rl_optimizer(config)
@@ -364,5 +367,8 @@ def test_rl_run_resumes_to_the_uninterrupted_params(tiny, tmp_path,
   jax.tree.map(np.testing.assert_array_equal, a, b)
   assert resumed == rl_loop.run(config, full)  # finished: nothing reruns
   rows = [json.loads(l) for l in open(f"{part}/metrics.jsonl")]
-  assert [r["step"] for r in rows if r["split"] == "rl"] == [1, 2]
-  assert all(r["reward"] >= 0 for r in rows if r["split"] == "rl")
+  steps = lambda split: [r["step"] for r in rows if r["split"] == split]
+  assert steps("rl") == [1, 2]
+  assert steps("heldout") == steps("train_tasks") == [0, 2]
+  assert steps("warmup") == [300]
+  assert all(r.get("reward", 0) >= 0 for r in rows)

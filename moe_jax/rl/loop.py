@@ -222,7 +222,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
             "the saved value or a new --workdir")
       rl_rng = jnp.asarray(data["rng"], jnp.uint32)
       results = data["results"]
-      writer.drop_rows_after(start, splits=("rl", "heldout"))
+      writer.drop_rows_after(start, splits=("rl", "heldout", "train_tasks"))
       logging.info("RL resumed from step %d in %s", start, rl_dir)
     else:
       start, rl_rng, results = 0, jax.random.fold_in(rng, 2), {}

@@ -371,4 +371,8 @@ def test_rl_run_resumes_to_the_uninterrupted_params(tiny, tmp_path,
   assert steps("rl") == [1, 2]
   assert steps("heldout") == steps("train_tasks") == [0, 2]
   assert steps("warmup") == [300]
+  # RL checkpoints of another warm-up length: refused, nothing retrained.
+  config.train.steps += 1
+  with pytest.raises(rl_loop.RLWorkdirError, match="train.steps"):
+    rl_loop.run(config, part)
   assert all(r.get("reward", 0) >= 0 for r in rows)

@@ -150,14 +150,24 @@ def placed(tree):
 
 
 def warmup(config, model, workdir: str, writer: MetricsWriter,
-           rng: jax.Array) -> TrainState:
-  """The supervised warm-up's final state, trained or restored."""
+           rng: jax.Array, must_restore: bool = False) -> TrainState:
+  """The supervised warm-up's final state, trained or restored.
+
+  must_restore: RL checkpoints continue this workdir's warm-up, so it is
+  restored or RLWorkdirError raised (it is never retrained over).
+  """
   layout, bsz = layout_of(config.rl), config.data.batch_size
   tx = make_optimizer(config.train)
   init = lambda r: init_train_state(model, tx, r, layout.max_len - 1)
   ckpt = Checkpointer(os.path.join(workdir, "warmup"), keep=1)
   try:
-    if ckpt.latest_step() == config.train.steps:
+    saved = ckpt.latest_step()
+    if must_restore and saved != config.train.steps:
+      raise RLWorkdirError(
+          f"{workdir}/rl continues the warm-up in {workdir}/warmup, which "
+          f"holds step {saved}; this config's train.steps is "
+          f"{config.train.steps}: use the saved value or a new --workdir")
+    if saved == config.train.steps:
       state, _, _ = ckpt.restore(config.train.steps, jax.eval_shape(init, rng))
       logging.info("Warm-up restored from step %d", config.train.steps)
       return placed(state)
@@ -202,7 +212,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   rl_dir = os.path.join(workdir, "rl")
   rl_ckpt = Checkpointer(rl_dir, keep=2)
   try:
-    warm = warmup(config, model, workdir, writer, rng)
+    warm = warmup(config, model, workdir, writer, rng,
+                  must_restore=rl_ckpt.latest_step() is not None)
     # GRPO from the warm-up params; they stay as the KL reference.
     tx = rl_optimizer(config)
     ref_params = warm.params
@@ -215,11 +226,6 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     if restored is not None:
       start, state, data, _ = restored
       state = placed(state)
-      if data.get("warmup_steps") != config.train.steps:
-        raise RLWorkdirError(
-            f"{rl_dir} continues a warm-up of {data.get('warmup_steps')} "
-            f"steps, this config's train.steps is {config.train.steps}: use "
-            "the saved value or a new --workdir")
       rl_rng = jnp.asarray(data["rng"], jnp.uint32)
       results = data["results"]
       writer.drop_rows_after(start, splits=("rl", "heldout", "train_tasks"))
@@ -233,8 +239,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
       logging.info("Warm-up held-out: %s; train tasks: %s",
                    results["warmup"], results["warmup_train"])
     ckpt_data = lambda: {"rng": [int(x) for x in np.asarray(rl_rng)],
-                         "results": results,
-                         "warmup_steps": config.train.steps}
+                         "results": results}
 
     grpo_step, log_probs = rl_steps(model, config)
     g, p = rl_cfg.group_size, rl_cfg.prompts_per_step

@@ -5,7 +5,9 @@ Run from the repository root:
   python -m experiments.rl --config=configs/rl.py:tiny --workdir=runs/rl_tiny
 Writes <workdir>/metrics.jsonl (splits warmup, rl, heldout), TensorBoard
 events, and checkpoints under <workdir>/warmup and <workdir>/rl; prints the
-held-out pass@1 and best-of-N before and after RL.
+held-out pass@1 and best-of-N before and after RL. Rerunning a workdir
+resumes it: a finished warm-up is restored, the RL phase continues from its
+newest checkpoint.
 """
 import json
 import sys

@@ -322,10 +322,11 @@ def validate_vision_config(config: ml_collections.ConfigDict) -> None:
         f"over rows only), got {config.mesh.context}")
 
 
-# moe_jax.rl.envs.KINDS and moe_jax.rl.grpo.ROUTER_MODES (kept equal by a
-# test, so that validation does not import jax).
+# moe_jax.rl.envs.KINDS, DIFFICULTIES and moe_jax.rl.grpo.ROUTER_MODES (kept
+# equal by a test, so that validation does not import jax).
 RL_TASK_KINDS = ("calc", "lookup")
 RL_ROUTER_MODES = ("qb", "frozen")
+RL_DIFFICULTIES = ("standard", "easy")
 
 
 def validate_rl_config(config: ml_collections.ConfigDict) -> None:
@@ -348,6 +349,7 @@ def validate_rl_config(config: ml_collections.ConfigDict) -> None:
   _float_range(config, "rl.clip_eps", 0.0, 1.0, lo_open=True, hi_open=True)
   _float_range(config, "rl.kl_beta", 0.0)
   _one_of(config, "rl.router", RL_ROUTER_MODES)
+  _one_of(config, "rl.difficulty", RL_DIFFICULTIES)
   if config.data.source != "stdlib":
     raise ConfigError("an rl config trains on its environments; data.source "
                       f"must stay 'stdlib', got {config.data.source!r}")

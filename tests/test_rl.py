@@ -1,4 +1,9 @@
 """Agentic RL: tool environments, GRPO loss and step, multi-turn rollouts."""
+import importlib.util
+import json
+import pathlib
+import shutil
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,10 +16,8 @@ from moe_jax.model import build_model
 from moe_jax.rl import envs, grpo, rollout
 from moe_jax.rl import loop as rl_loop
 from moe_jax.train.optimizer import make_optimizer
+from moe_jax.train.checkpoint import Checkpointer, abstract_like
 from moe_jax.train.step import init_train_state
-
-import importlib.util
-import pathlib
 
 _spec = importlib.util.spec_from_file_location(
     "rl_config", pathlib.Path(__file__).parents[1] / "configs" / "rl.py")
@@ -29,9 +32,11 @@ _spec.loader.exec_module(rl_config)
 def test_environment_answers_verified_and_splits_disjoint():
   for split in envs.SPLITS:
     for i in range(200):
-      task = envs.make_task(3, split, i)
-      assert envs.check_demo(task), task
-      assert envs.make_task(3, split, i) == task  # a function of the seed
+      for level in envs.DIFFICULTIES:
+        task = envs.make_task(3, split, i, difficulty=level)
+        assert envs.check_demo(task), task
+        # A function of (seed, split, index, difficulty).
+        assert envs.make_task(3, split, i, difficulty=level) == task
   # Held-out operands and keys never occur in train tasks.
   train_ops = {int(n) for i in range(0, 200, 2) for n in
                envs._NUMBER.findall(envs.make_task(3, "train", i).prompt)}
@@ -42,6 +47,23 @@ def test_environment_answers_verified_and_splits_disjoint():
              for k in envs.make_task(3, "heldout", i).store)
   assert not any("q" in k for i in range(1, 50, 2)
                  for k in envs.make_task(3, "train", i).store)
+  # Easy level: one call; held-out operands and keys unseen in training,
+  # with every letter of held-out keys seen in training keys.
+  easy = {split: [envs.make_task(3, split, i, difficulty="easy")
+                  for i in range(200)] for split in envs.SPLITS}
+  ops = {split: {int(n) for t in ts if t.kind == "calc"
+                 for n in envs._NUMBER.findall(t.prompt)}
+         for split, ts in easy.items()}
+  keys = {split: {k for t in ts for k in t.store}
+          for split, ts in easy.items()}
+  assert ops["train"] and ops["heldout"] and not ops["train"] & ops["heldout"]
+  assert keys["heldout"] and not keys["train"] & keys["heldout"]
+  assert set("".join(keys["heldout"])) <= set("".join(keys["train"]))
+  assert all(len([s for s, own in t.demo if own]) == 2
+             for ts in easy.values() for t in ts)
+  # They fit the easy variant's buffer (demo_batch raises otherwise).
+  rollout.demo_batch(easy["train"] + easy["heldout"], rl_loop.layout_of(
+      rl_config.get_config("easy").rl), np.random.default_rng(0), 4)
   # A wrong answer gets no reward.
   task = envs.make_task(3, "train", 0)
   assert envs.reward(task, f" {task.answer} ") == 1.0
@@ -196,7 +218,10 @@ def test_rl_config_validation():
   validate_config(config)
   assert config_validation.RL_TASK_KINDS == envs.KINDS
   assert config_validation.RL_ROUTER_MODES == grpo.ROUTER_MODES
+  assert config_validation.RL_DIFFICULTIES == envs.DIFFICULTIES
+  validate_config(rl_config.get_config("easy,cpu"))
   for field, value in (("rl.router", "adaptive"), ("rl.tasks", "calc,chess"),
+                       ("rl.difficulty", "hard"),
                        ("rl.group_size", 1), ("rl.clip_eps", 1.5),
                        ("rl.max_len", 100)):
     bad = rl_config.get_config("tiny")
@@ -215,9 +240,13 @@ def tiny():
   config = rl_config.get_config("tiny")
   model = build_model(config)
   tx = make_optimizer(config.train)
-  state = init_train_state(model, tx, jax.random.PRNGKey(0), 16)
-  layout = rollout.Layout(prompt_len=96, max_len=160, obs_len=32,
-                          turn_tokens=8, max_turns=2)
+  # Placed as the RL loop places its states, so that the run below reuses
+  # the programs these tests compile.
+  state = rl_loop.placed(init_train_state(model, tx, jax.random.PRNGKey(0),
+                                          16))
+  layout = rl_loop.layout_of(config.rl)
+  assert (layout.prompt_len, layout.max_len, layout.obs_len,
+          layout.turn_tokens, layout.max_turns) == (96, 160, 32, 8, 2)
   tasks = [t for i in range(2) for t in [envs.make_task(0, "train", i)] * 2]
   return config, model, tx, state, layout, tasks
 
@@ -253,15 +282,13 @@ def test_rollouts_deterministic_with_tool_outputs_masked(tiny):
 def test_grpo_step_updates_params_and_router(tiny):
   config, model, _, state, layout, tasks = tiny
   tx = rl_loop.rl_optimizer(config)
-  state = state.replace(opt_state=tx.init(state.params))
+  state = rl_loop.placed(state.replace(opt_state=tx.init(state.params)))
   batch = rollout.rollout(model, state.params, state.router_state, tasks,
                           jax.random.PRNGKey(1), layout).train_batch()
   batch["advantages"] = np.array([1.0, -1.0, 0.5, -0.5], np.float32)
-  log_probs = jax.jit(grpo.make_log_prob_fn(model))
+  step, log_probs = rl_loop.rl_steps(model, config)  # qb, as the run's
   batch["old_log_probs"] = log_probs(state.params, state.router_state, batch)
   batch["ref_log_probs"] = batch["old_log_probs"]
-  step = jax.jit(grpo.make_grpo_step(model, tx, config.model.moe,
-                                     clip_eps=0.2, kl_beta=0.1, router="qb"))
   new, metrics = step(state, batch)
   assert int(new.step) == 1
   assert all(np.isfinite(float(v)) for v in metrics.values())
@@ -281,3 +308,71 @@ def test_grpo_step_updates_params_and_router(tiny):
   with pytest.raises(ValueError, match="rl.router"):
     grpo.make_grpo_step(model, tx, config.model.moe, clip_eps=0.2,
                         kl_beta=0.1, router="adaptive")
+
+
+# ----------------------------------------------------------------------------
+# Resuming the RL phase.
+# ----------------------------------------------------------------------------
+
+class _Interrupted(Exception):
+  pass
+
+
+def test_rl_run_resumes_to_the_uninterrupted_params(tiny, tmp_path,
+                                                    monkeypatch):
+  state = tiny[3]
+  config = rl_config.get_config("tiny")
+  config.rl.checkpoint_every = 1
+  config.rl.eval_every = 10  # held-out evaluation only at the end
+  full, part = str(tmp_path / "full"), str(tmp_path / "part")
+  # Both runs start from the same finished warm-up (the fixture's state).
+  for workdir in (full, part):
+    ckpt = Checkpointer(f"{workdir}/warmup")
+    rl_loop._save(ckpt, config.train.steps, state, config)
+    ckpt.close()
+  rl_loop.run(config, full)
+  # The other run stops right after RL step 1's checkpoint, as a run killed
+  # there would.
+  save = rl_loop._save
+
+  def save_then_stop(ckpt, step, *args, **kwargs):
+    save(ckpt, step, *args, **kwargs)
+    if ckpt.workdir == f"{part}/rl":
+      raise _Interrupted(step)
+
+  monkeypatch.setattr(rl_loop, "_save", save_then_stop)
+  with pytest.raises(_Interrupted):
+    rl_loop.run(config, part)
+  monkeypatch.setattr(rl_loop, "_save", save)
+  rows = [json.loads(l) for l in open(f"{part}/metrics.jsonl")]
+  assert [r["step"] for r in rows if r["split"] == "rl"] == [1]
+  with open(f"{part}/metrics.jsonl", "a") as f:  # written after the save
+    for split in ("rl", "heldout", "train_tasks"):
+      f.write(json.dumps({"step": 2, "split": split, "reward": -1.0}) + "\n")
+    # The warm-up's rows count its own steps: they stay.
+    f.write(json.dumps({"step": 300, "split": "warmup", "ce": 0.1}) + "\n")
+  resumed = rl_loop.run(config, part)
+
+  tx = rl_loop.rl_optimizer(config)
+  target = abstract_like(state.replace(opt_state=tx.init(state.params)))
+
+  def restore(workdir):
+    ckpt = Checkpointer(f"{workdir}/rl")
+    try:
+      return ckpt.restore(2, target)[0]
+    finally:
+      ckpt.close()
+  a, b = restore(full), restore(part)
+  assert int(a.step) == int(b.step) == 2
+  jax.tree.map(np.testing.assert_array_equal, a, b)
+  assert resumed == rl_loop.run(config, full)  # finished: nothing reruns
+  rows = [json.loads(l) for l in open(f"{part}/metrics.jsonl")]
+  steps = lambda split: [r["step"] for r in rows if r["split"] == split]
+  assert steps("rl") == [1, 2]
+  assert steps("heldout") == steps("train_tasks") == [0, 2]
+  assert steps("warmup") == [300]
+  # RL checkpoints of another warm-up length: refused, nothing retrained.
+  config.train.steps += 1
+  with pytest.raises(rl_loop.RLWorkdirError, match="train.steps"):
+    rl_loop.run(config, part)
+  assert all(r.get("reward", 0) >= 0 for r in rows)

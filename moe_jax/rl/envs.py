@@ -10,14 +10,24 @@ Two task families, both answered through tools the model calls in text:
 The model ends with <answer>...</answer>; the reward is 1 for an exact match
 of the stripped answer text, else 0.
 
+Two difficulty levels (DIFFICULTIES):
+  standard  calc: (a * b) +/- c in a word problem, two calculator calls;
+            lookup: three chained lookups among four distractor keys.
+  easy      calc: one call, "Q: a+b=?" (or a-b) with operands 2..39;
+            lookup: one lookup of the key named in the prompt among two
+            distractors. Short prompts whose operands sit right before the
+            turn, so a small model learns to copy them within a CPU warm-up.
+
 `parse_action` turns any text the model produced into an Action and never
 raises: a malformed call becomes an error observation that goes into the
 context (`Environment.observe`), like a tool's output.
 
-Splits: a task is a pure function of (seed, split, index). Held-out
-calculator problems draw every operand from numbers that train problems never
-use (n % 4 == 3 vs the rest); held-out stores come from their own random
-streams and use keys with a letter train keys never contain ('q').
+Splits: a task is a pure function of (seed, split, index, difficulty).
+Held-out calculator problems draw every operand from numbers that train
+problems never use (n % 4 == 3 vs the rest); held-out stores come from their
+own random streams. Standard held-out keys start with a letter train keys
+never contain ('q'); easy keys are split by their letters' sum (% 4 == 3
+held out), so every letter is seen in training but no held-out key is.
 Ground floor: numpy only.
 """
 from __future__ import annotations
@@ -29,6 +39,7 @@ import numpy as np
 
 SPLITS = ("train", "heldout")
 KINDS = ("calc", "lookup")
+DIFFICULTIES = ("standard", "easy")
 # Closing tags that end a model turn (the rollout stops sampling there).
 STOP_TAGS = ("</calc>", "</lookup>", "</answer>")
 MAX_EXPR_CHARS = 48
@@ -57,13 +68,20 @@ class Action:
   arg: str
 
 
-def _rng(seed: int, split: str, index: int, kind: str) -> np.random.Generator:
+def _rng(seed: int, split: str, index: int, kind: str,
+         difficulty: str = "standard") -> np.random.Generator:
   if split not in SPLITS:
     raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
   if kind not in KINDS:
     raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-  return np.random.default_rng(
-      [seed, SPLITS.index(split), KINDS.index(kind), index])
+  if difficulty not in DIFFICULTIES:
+    raise ValueError(f"difficulty must be one of {DIFFICULTIES}, got "
+                     f"{difficulty!r}")
+  stream = [seed, SPLITS.index(split), KINDS.index(kind), index]
+  # The standard level keeps its original streams.
+  if difficulty != "standard":
+    stream.append(DIFFICULTIES.index(difficulty))
+  return np.random.default_rng(stream)
 
 
 # ----------------------------------------------------------------------------
@@ -172,6 +190,18 @@ def calc_task(seed: int, split: str, index: int) -> Task:
   return Task("calc", prompt, str(answer), demo)
 
 
+def easy_calc_task(seed: int, split: str, index: int) -> Task:
+  """One call: "Q: a+b=?" or "Q: a-b=?" (a > b), answered with the result."""
+  rng = _rng(seed, split, index, "calc", "easy")
+  a, b = sorted(_operands(rng, split, 2), reverse=True)
+  op = "+-"[int(rng.integers(2))]
+  answer = a + b if op == "+" else a - b
+  demo = ((f"<calc>{a}{op}{b}</calc>", True),
+          (f"<result>{answer}</result>", False),
+          (f"<answer>{answer}</answer>", True))
+  return Task("calc", f"Q: {a}{op}{b}=?\n", str(answer), demo)
+
+
 # ----------------------------------------------------------------------------
 # The key-value store.
 # ----------------------------------------------------------------------------
@@ -187,15 +217,21 @@ def _key(rng: np.random.Generator, split: str) -> str:
   return first + vowel + consonant()
 
 
+def _easy_key(rng: np.random.Generator, split: str) -> str:
+  """A consonant-vowel-consonant key of the split's half (letter sum % 4)."""
+  while True:
+    c1, c2 = (_TRAIN_LETTERS[int(rng.integers(len(_TRAIN_LETTERS)))]
+              for _ in range(2))
+    k = c1 + _VOWELS[int(rng.integers(len(_VOWELS)))] + c2
+    if (sum(map(ord, k)) % 4 == 3) == (split == "heldout"):
+      return k
+
+
 def lookup_task(seed: int, split: str, index: int, hops: int = 3,
                 distractors: int = 4) -> Task:
   """A store where key_0 -> key_1 -> ... -> a number; answer: the number."""
   rng = _rng(seed, split, index, "lookup")
-  keys: list[str] = []
-  while len(keys) < hops + distractors:
-    k = _key(rng, split)
-    if k not in keys:
-      keys.append(k)
+  keys = _distinct_keys(rng, split, hops + distractors, _key)
   value = str(int(rng.integers(10, 1000)))
   chain = keys[:hops]
   store = {k: nxt for k, nxt in zip(chain, chain[1:] + [value])}
@@ -211,13 +247,40 @@ def lookup_task(seed: int, split: str, index: int, hops: int = 3,
   return Task("lookup", prompt, value, tuple(demo), store)
 
 
+def _distinct_keys(rng, split: str, n: int, draw) -> list[str]:
+  keys: list[str] = []
+  while len(keys) < n:
+    k = draw(rng, split)
+    if k not in keys:
+      keys.append(k)
+  return keys
+
+
+def easy_lookup_task(seed: int, split: str, index: int,
+                     distractors: int = 2) -> Task:
+  """One lookup: "Q: value of kab?" in a store of 1 + distractors keys."""
+  rng = _rng(seed, split, index, "lookup", "easy")
+  keys = _distinct_keys(rng, split, 1 + distractors, _easy_key)
+  store = {k: str(int(rng.integers(10, 100))) for k in keys}
+  value = store[keys[0]]
+  demo = ((f"<lookup>{keys[0]}</lookup>", True),
+          (f"<result>{value}</result>", False),
+          (f"<answer>{value}</answer>", True))
+  return Task("lookup", f"Q: value of {keys[0]}?\n", value, demo, store)
+
+
 def make_task(seed: int, split: str, index: int,
-              kinds: tuple[str, ...] = KINDS) -> Task:
+              kinds: tuple[str, ...] = KINDS,
+              difficulty: str = "standard") -> Task:
   """Task `index` of a split, alternating over `kinds`."""
+  if difficulty not in DIFFICULTIES:
+    raise ValueError(f"difficulty must be one of {DIFFICULTIES}, got "
+                     f"{difficulty!r}")
   kind = kinds[index % len(kinds)]
+  easy = difficulty == "easy"
   if kind == "calc":
-    return calc_task(seed, split, index)
-  return lookup_task(seed, split, index)
+    return (easy_calc_task if easy else calc_task)(seed, split, index)
+  return (easy_lookup_task if easy else lookup_task)(seed, split, index)
 
 
 # ----------------------------------------------------------------------------

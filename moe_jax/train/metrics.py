@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Mapping
+from typing import Collection, Mapping
 
 import numpy as np
 
@@ -55,12 +55,14 @@ class MetricsWriter:
         if k not in ("step", "split") and isinstance(v, (int, float)):
           self._tb.add_scalar(f"{split}/{k}", v, int(step))
 
-  def drop_rows_after(self, step: int) -> int:
+  def drop_rows_after(self, step: int,
+                      splits: Collection[str] | None = None) -> int:
     """Rewrites metrics.jsonl without rows past `step`; returns how many.
 
     A run killed after its last checkpoint wrote rows that the resumed run
     writes again. Unparsable lines (a write cut short) are dropped too. The
-    file is replaced atomically.
+    file is replaced atomically. splits: only rows of these splits are
+    dropped (None: all), for a file shared by phases with their own steps.
     """
     if not self.enabled or not os.path.exists(self.path):
       return 0
@@ -69,7 +71,9 @@ class MetricsWriter:
     keep = []
     for line in lines:
       try:
-        if json.loads(line)["step"] <= step:
+        row = json.loads(line)
+        if row["step"] <= step or (splits is not None
+                                   and row["split"] not in splits):
           keep.append(line if line.endswith("\n") else line + "\n")
       except (ValueError, KeyError, TypeError):
         pass

@@ -30,8 +30,8 @@ _MATMULS = flags.DEFINE_list("matmuls", ["pallas", "ragged_dot"],
 _XLA = flags.DEFINE_list("xla_variants", ["default:"],
                          "name:XLA_FLAGS entries for the ragged_dot rows.")
 _TUNINGS = flags.DEFINE_list(
-    "tunings", [""], "Pallas rows: bm:bn:bk:warps:stages of gmm (tgmm takes "
-    "bn/bk as its output block); '' = the default Tuning.")
+    "tunings", [""], "Pallas rows: bm:bn:bk:warps:stages[:schedule] of gmm "
+    "(tgmm takes bn/2bk as its output block); '' = the default Tuning.")
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed repeats (median).")
 _PEAK = flags.DEFINE_float("peak_tflops", 989.0, "Dense bf16 peak.")
 _CHECK = flags.DEFINE_bool(
@@ -72,11 +72,12 @@ def time_one(shape: str, matmul: str, iters: int, tuning: str = "") -> dict:
   from moe_jax.layers.expert_parallel import expert_ffn
   from pallas_kernels.grouped_matmul import Tuning, gmm
   if tuning:
-    bm, bn, bk, nw, ns = (int(v) for v in tuning.split(":"))
+    fields = tuning.split(":")
+    bm, bn, bk, nw, ns = (int(v) for v in fields[:5])
     expert_parallel.gmm = functools.partial(gmm, tuning=Tuning(
         block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns,
         tgmm_block_k=bk * 2, tgmm_block_n=bn, tgmm_num_warps=nw,
-        tgmm_num_stages=ns))
+        tgmm_num_stages=ns, schedule=(fields[5:] or ["visits"])[0]))
   n, d, f, e, k = (int(v) for v in shape.split(":"))
   m = n * k
   keys = jax.random.split(jax.random.PRNGKey(0), 6)

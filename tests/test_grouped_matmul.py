@@ -5,6 +5,8 @@ group boundaries, empty groups (leading, middle, trailing), rows past the
 last group (zeros), several K steps, both operand orders, fp32 and bf16,
 values and both gradients.
 """
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -13,10 +15,12 @@ import pytest
 
 from pallas_kernels.grouped_matmul import (Tuning, gmm, gmm_reference, tgmm,
                                            tgmm_reference, visits)
+from pallas_kernels.grouped_matmul.gmm import SCHEDULES
 
 # 16-row tiles, 16-wide K steps: M = 70 rows is 5 tiles, the last partial.
 TUNE = Tuning(block_m=16, block_n=16, block_k=16, tgmm_block_k=16,
               tgmm_block_n=16)
+TUNES = {s: dataclasses.replace(TUNE, schedule=s) for s in SCHEDULES}
 M, K, N = 70, 32, 48
 SIZES = (0, 11, 0, 23, 17, 13, 0)   # sum 64 < 70: six rows in no group
 
@@ -40,14 +44,17 @@ def _rel(a, b):
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5),
                                        (jnp.bfloat16, 1e-2)])
 @pytest.mark.parametrize("transpose_rhs", [False, True])
-def test_gmm_values_and_grads_match_reference(dtype, tol, transpose_rhs):
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_gmm_values_and_grads_match_reference(dtype, tol, transpose_rhs,
+                                              schedule):
   x, w, ct, sizes = _operands(int(transpose_rhs), dtype, transpose_rhs)
 
   def loss(fn):
     return lambda x, w: jnp.sum(
         fn(x, w, sizes, transpose_rhs=transpose_rhs).astype(jnp.float32) * ct)
 
-  ours = lambda x, w, s, **kw: gmm(x, w, s, tuning=TUNE, interpret=True, **kw)  # noqa: E731
+  ours = lambda x, w, s, **kw: gmm(x, w, s, tuning=TUNES[schedule],  # noqa: E731
+                                   interpret=True, **kw)
   out = ours(x, w, sizes, transpose_rhs=transpose_rhs)
   ref = gmm_reference(x, w, sizes, transpose_rhs=transpose_rhs)
   chex.assert_shape(out, (M, N))

@@ -17,6 +17,10 @@ straddles a group boundary is visited once per group, each visit storing
 only its own rows (disjoint row sets: no two programs write one element).
 There are at most M / block_m + E visits, so the wasted work is at most E
 tiles; a dense fallback (every row against every expert) wastes E / top_k.
+Tuning.schedule="tiles" is the other layout: one program per (row tile,
+column block), looping over the groups its rows hold with the rows of other
+groups masked to zero at load time, then one unmasked store of the whole
+tile (the same work; no two programs ever touch one tile).
 tgmm runs one program per (group, K block, N block) and loops over the row
 tiles of its group, so its cost follows the group's size.
 
@@ -39,6 +43,10 @@ except ImportError:  # pragma: no cover
 
 _F32 = jnp.float32
 _MIN_DIM = 16
+# gmm's program layouts: "visits" (one program per (row tile, group) pair,
+# masked stores) or "tiles" (one program per row tile, looping over the
+# groups in it with masked loads, one plain store).
+SCHEDULES = ("visits", "tiles")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +57,8 @@ class Tuning:
   block_n, block_k: output columns per program and the contraction step of
     gmm; each is lowered to the largest power of two that divides its dim.
   tgmm_block_k, tgmm_block_n: the [K, N] output block of one tgmm program.
+  schedule: gmm's program layout, "visits" (the measured default) or
+    "tiles" (see the module docstring).
   """
   block_m: int = 128
   block_n: int = 128
@@ -59,9 +69,15 @@ class Tuning:
   tgmm_block_n: int = 128
   tgmm_num_warps: int = 8
   tgmm_num_stages: int = 3
+  schedule: str = "visits"
 
   def __post_init__(self):
+    if self.schedule not in SCHEDULES:
+      raise ValueError(f"Tuning.schedule must be one of {SCHEDULES}, got "
+                       f"{self.schedule!r}")
     for f in dataclasses.fields(self):
+      if f.name == "schedule":
+        continue
       v = getattr(self, f.name)
       if not isinstance(v, int) or v < 1 or (
           f.name.startswith(("block", "tgmm_block")) and (v & (v - 1) or
@@ -173,6 +189,49 @@ def _tgmm_kernel(start_ref, end_ref, x_ref, dy_ref, o_ref, *, bm, bk, bn,
   o_ref[...] = acc.astype(o_ref.dtype)
 
 
+def tile_groups(group_sizes: jax.Array, m_pad: int, block_m: int) -> tuple:
+  """(first, last) real group holding rows of each row tile; int32 [M/bm].
+
+  A tile wholly past sum(sizes) gets first = E > last (no group).
+  """
+  e = group_sizes.shape[0]
+  _, end = group_bounds(group_sizes)
+  first_row = jnp.arange(m_pad // block_m, dtype=jnp.int32) * block_m
+  first = jnp.searchsorted(end, first_row, side="right").astype(jnp.int32)
+  last = jnp.minimum(jnp.searchsorted(end, first_row + block_m - 1,
+                                      side="right"), e - 1).astype(jnp.int32)
+  return first, last
+
+
+def _gmm_tile_kernel(first_ref, last_ref, start_ref, end_ref, x_ref, w_ref,
+                     o_ref, *, bm, bn, bk, transpose_rhs, precision):
+  t, j = pl.program_id(0), pl.program_id(1)
+  row0 = t * bm
+  rows = row0 + jax.lax.broadcasted_iota(jnp.int32, (bm, bk), 0)
+  k_dim = x_ref.shape[1]
+
+  def group(g, acc):
+    in_g = (rows >= start_ref[g]) & (rows < end_ref[g])
+
+    def body(kk, acc):
+      a = x_ref[pl.ds(row0, bm), pl.ds(kk * bk, bk)]
+      a = jnp.where(in_g, a, jnp.zeros_like(a))
+      if transpose_rhs:    # w [E, N, K]: a @ w[g][cols]^T
+        b = w_ref[g, pl.ds(j * bn, bn), pl.ds(kk * bk, bk)]
+        dims = ((1,), (1,))
+      else:                # w [E, K, N]
+        b = w_ref[g, pl.ds(kk * bk, bk), pl.ds(j * bn, bn)]
+        dims = ((1,), (0,))
+      return acc + jax.lax.dot_general(a, b, (dims, ((), ())),
+                                       precision=precision,
+                                       preferred_element_type=_F32)
+    return jax.lax.fori_loop(0, k_dim // bk, body, acc)
+
+  acc = jax.lax.fori_loop(first_ref[t], last_ref[t] + 1, group,
+                          jnp.zeros((bm, bn), _F32))
+  o_ref[pl.ds(row0, bm), pl.ds(j * bn, bn)] = acc.astype(o_ref.dtype)
+
+
 def check_operands(x, w, group_sizes, transpose_rhs=False):
   """ValueError naming the operand unless shapes and dtypes fit the kernels."""
   if x.ndim != 2 or w.ndim != 3 or group_sizes.ndim != 1:
@@ -214,6 +273,20 @@ def _gmm_call(x, w, group_sizes, transpose_rhs, tune, interpret):
   bm = tune.block_m
   m_pad = pl.cdiv(m, bm) * bm
   bn, bk = _block(n, tune.block_n), _block(k, tune.block_k)
+  if tune.schedule == "tiles":
+    first, last = tile_groups(group_sizes, m_pad, bm)
+    start, end = group_bounds(group_sizes)
+    out = pl.pallas_call(
+        functools.partial(_gmm_tile_kernel, bm=bm, bn=bn, bk=bk,
+                          transpose_rhs=transpose_rhs,
+                          precision=_precision(x.dtype)),
+        grid=(m_pad // bm, n // bn),
+        out_shape=jax.ShapeDtypeStruct((m_pad, n), x.dtype),
+        compiler_params=_params(tune.num_warps, tune.num_stages),
+        interpret=interpret,
+        name="gmm",
+    )(first, last, start, end, _pad_rows(x, m_pad), w.astype(x.dtype))
+    return out[:m]
   meta = visits(group_sizes, m_pad, bm)
   out = pl.pallas_call(
       functools.partial(_gmm_kernel, bm=bm, bn=bn, bk=bk,

@@ -35,6 +35,9 @@ VARIANTS = {
     "linear": setter(**{"model.vision.encoder": "linear"}),
     "vit": setter(**{"model.vision.encoder": "vit"}),
     "text_only": setter(**{"data.vision.blank_images": True}),
+    # Colour questions name the kind ("what colour is the circle?"): the
+    # held-out answer is the colour training never gives that kind.
+    "colour_by_kind": setter(**{"data.vision.colour_question": "kind"}),
     "captions": setter(**{"data.vision.question_types": _TYPES + ",caption",
                           "data.seq_len": 192}),
     "folder": setter(**{"data.vision.source": "folder",

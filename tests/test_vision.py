@@ -142,6 +142,16 @@ def test_colour_question_names_the_object_by_position_or_kind():
                                f"{vd.QUADRANTS[asked.quadrant]} object? A: ")
   with pytest.raises(ValueError, match="colour_question must be one of"):
     vd.make_scene_example(0, "train", 0, "colour", S, "size")
+  # The config decides; a saved config without the field named the kind.
+  config = load_config("vision.py", "tiny,smoke")
+  config.data.vision.text_fraction = 0.0
+  prompt = lambda: vd.VisionData(config.data, S, P_SIZE).example(
+      "heldout", 0, "colour").prompt
+  assert prompt() == vd.make_scene_example(0, "heldout", 0, "colour",
+                                           S).prompt
+  del config.data.vision["colour_question"]
+  assert prompt() == vd.make_scene_example(0, "heldout", 0, "colour", S,
+                                           "kind").prompt
 
 
 @pytest.fixture(scope="module")

@@ -480,7 +480,8 @@ class VisionData:
     self.text_fraction = float(_field(v, "text_fraction", 0.0))
     self.blank_images = bool(_field(v, "blank_images", False))
     self.eval_examples = int(_field(v, "eval_examples"))
-    self.colour_question = _field(v, "colour_question", "position")
+    # A config saved without the field comes from runs that named the kind.
+    self.colour_question = _field(v, "colour_question", "kind")
     self.folder_examples = None
     if self.source == "folder":
       examples = load_image_folder(_field(v, "folder"), self.image_size)

@@ -7,8 +7,9 @@ whole answers (teacher-forced log-likelihood of name + EOS) for colour
 questions of two sets: held-out scenes (the asked object is a held-out
 (kind, colour) pair) and training compositions that no step draws. Prints
 per set: the confusion matrix (true colour rows, predicted columns), the
-accuracy of that ranking and of the run's exact-match scorer (the two must
-agree whenever the scorer counts an answer right), how often the predicted
+accuracy of that ranking and of the run's exact-match scorer (they differ
+only where an answer's first byte and its whole-name likelihood disagree,
+as in an undertrained model), how often the predicted
 colour is the colour of another object in the scene, and greedy decodes of
 a few examples (what the model writes, byte for byte).
 """

@@ -15,8 +15,14 @@ Variants: vit (a 2-block ViT encoder instead of the linear patch embedding),
 captions (adds 'describe the image.' examples; longer sequences), folder
 (your own images: --config.data.vision.folder=DIR with DIR/captions.txt),
 gpu (one GPU: d_model 256, 8 layers, bf16), tiny and smoke (tests,
-notebooks).
+notebooks), colour_only (colour questions only, no text rows) and
+colour_by_kind (colour questions name the kind, not the position).
   python -m experiments.train --config=configs/vision.py:gpu --workdir=runs/vision_gpu
+Colour on CPU (results/vision.md), then what the runs answer:
+  python -m experiments.train --config=configs/vision.py:colour_only --workdir=runs/colour
+  python -m experiments.train --config=configs/vision.py:colour_only,text_only --workdir=runs/colour_text_only
+  python -m experiments.train --config=configs/vision.py:colour_only,colour_by_kind --workdir=runs/colour_by_kind
+  python -m experiments.vision_colour --workdir=runs/colour
 """
 from moe_jax.config_base import (apply_variant, base_config,
                                  load_config_file, setter)
@@ -35,6 +41,11 @@ VARIANTS = {
     "linear": setter(**{"model.vision.encoder": "linear"}),
     "vit": setter(**{"model.vision.encoder": "vit"}),
     "text_only": setter(**{"data.vision.blank_images": True}),
+    "colour_only": setter(**{"data.vision.question_types": "colour",
+                             "data.vision.text_fraction": 0.0}),
+    # Colour questions name the kind ("what colour is the circle?"): the
+    # held-out answer is the colour training never gives that kind.
+    "colour_by_kind": setter(**{"data.vision.colour_question": "kind"}),
     "captions": setter(**{"data.vision.question_types": _TYPES + ",caption",
                           "data.seq_len": 192}),
     "folder": setter(**{"data.vision.source": "folder",

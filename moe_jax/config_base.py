@@ -133,6 +133,10 @@ def base_config() -> ml_collections.ConfigDict:
   dv.text_fraction = 0.25       # rows that are text-only corpus windows
   dv.blank_images = False       # True: every image zero (text-only baseline)
   dv.eval_examples = 512        # held-out examples evaluated
+  # How colour questions name their object: position ("what colour is the
+  # top left object?") | kind ("... the circle?", whose held-out answer is
+  # the one colour training never pairs with that kind).
+  dv.colour_question = "position"
 
   # ----- optimisation -----
   t = c.train = ml_collections.ConfigDict()

@@ -314,6 +314,8 @@ def validate_vision_config(config: ml_collections.ConfigDict) -> None:
         "data.vision.question_types must be a comma-separated list of "
         f"{list(VISION_QUESTION_TYPES)}, got "
         f"{config.data.vision.question_types!r}")
+  if "colour_question" in config.data.vision:  # saved configs may lack it
+    _one_of(config, "data.vision.colour_question", ("position", "kind"))
   _float_range(config, "data.vision.text_fraction", 0.0, 1.0, hi_open=True)
   _int_range(config, "data.vision.eval_examples", config.data.batch_size)
   if config.mesh.context != 1:

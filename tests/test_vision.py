@@ -12,7 +12,8 @@ from moe_jax import config_validation
 from moe_jax.config_validation import ConfigError, validate_config
 from moe_jax.data import vision as vd
 from moe_jax.eval.step import cross_entropy
-from moe_jax.eval.vision import answers_right
+from moe_jax.eval.vision import (answers_right, candidate_log_likelihoods,
+                                 confusion_matrix)
 from moe_jax.layers.vision import patchify, place_image_tokens, unpatchify
 from moe_jax import sharding
 from moe_jax.model import HybridLM, build_model
@@ -88,7 +89,8 @@ def test_scenes_are_deterministic_and_answers_match_the_objects():
     if e.qtype == "count":
       assert e.answer == str(kinds.count(e.prompt.split()[3][:-2]))
     if e.qtype == "colour":
-      target = [o for o in e.objects if o.kind == e.prompt.split()[5][:-1]]
+      target = [o for o in e.objects if e.prompt.startswith(
+          f"Q: what colour is the {vd.QUADRANTS[o.quadrant]} object?")]
       assert len(target) == 1 and target[0].colour == e.answer
     # Every object's colour is drawn somewhere in the image.
     for o in e.objects:
@@ -104,8 +106,52 @@ def test_heldout_compositions_never_appear_in_training():
   # Held-out questions name or ask about the held-out object.
   for e in held:
     if e.qtype == "colour":
-      kind = e.prompt.split()[5][:-1]
-      assert (kind, e.answer) in vd.HELD_OUT_PAIRS
+      asked = [o for o in e.objects
+               if f" the {vd.QUADRANTS[o.quadrant]} object?" in e.prompt]
+      assert [(o.kind, o.colour) for o in asked] == [(asked[0].kind,
+                                                      e.answer)]
+      assert (asked[0].kind, e.answer) in vd.HELD_OUT_PAIRS
+  # Every kind and every colour of a held-out pair appears in training with
+  # several partners, and held-out pairs are a minority per kind and per
+  # colour: "kind X is never colour Y" is a fact about a few pairs, not a
+  # rule about a kind or a colour.
+  seen = {(o.kind, o.colour) for e in train for o in e.objects}
+  assert seen == {(k, c) for k in vd.KINDS for c in vd.COLOURS} - \
+      vd.HELD_OUT_PAIRS
+  for kind, colour in vd.HELD_OUT_PAIRS:
+    held_k = sum(k == kind for k, _ in vd.HELD_OUT_PAIRS)
+    held_c = sum(c == colour for _, c in vd.HELD_OUT_PAIRS)
+    seen_k = sum(k == kind for k, _ in seen)
+    seen_c = sum(c == colour for _, c in seen)
+    assert seen_k >= 3 and seen_c >= 2
+    assert held_k < seen_k and held_c < seen_c
+
+
+def test_colour_question_names_the_object_by_position_or_kind():
+  """Same scene either way; only the question's wording changes."""
+  for i in range(20):
+    for split in vd.SPLITS:
+      by_pos = vd.make_scene_example(0, split, i, "colour", S)
+      by_kind = vd.make_scene_example(0, split, i, "colour", S, "kind")
+      np.testing.assert_array_equal(by_pos.images, by_kind.images)
+      assert by_pos.objects == by_kind.objects
+      assert by_pos.answer == by_kind.answer
+      (asked,) = [o for o in by_kind.objects if o.colour == by_kind.answer
+                  and f" the {o.kind}?" in by_kind.prompt]
+      assert by_pos.prompt == (f"Q: what colour is the "
+                               f"{vd.QUADRANTS[asked.quadrant]} object? A: ")
+  with pytest.raises(ValueError, match="colour_question must be one of"):
+    vd.make_scene_example(0, "train", 0, "colour", S, "size")
+  # The config decides; a saved config without the field named the kind.
+  config = load_config("vision.py", "tiny,smoke")
+  config.data.vision.text_fraction = 0.0
+  prompt = lambda: vd.VisionData(config.data, S, P_SIZE).example(
+      "heldout", 0, "colour").prompt
+  assert prompt() == vd.make_scene_example(0, "heldout", 0, "colour",
+                                           S).prompt
+  del config.data.vision["colour_question"]
+  assert prompt() == vd.make_scene_example(0, "heldout", 0, "colour", S,
+                                           "kind").prompt
 
 
 @pytest.fixture(scope="module")
@@ -274,6 +320,32 @@ def test_answers_right_needs_every_masked_position():
       [True, False, False])
 
 
+def test_candidate_log_likelihoods_match_a_loop():
+  """Whole-answer scores of a bigram "model" (logits = table[input]) against
+  a sum over the answer's bytes and EOS; 'blu' is a prefix of 'blue'."""
+  table = np.random.default_rng(7).normal(size=(vd.VOCAB_SIZE,
+                                                vd.VOCAB_SIZE))
+  logits_fn = lambda batch: table[batch["inputs"]]
+  examples = [vd.make_scene_example(0, "heldout", i, "colour", S)
+              for i in range(3)]
+  candidates = ("blue", "blu", "red", "yellow", "magenta")
+  got = candidate_log_likelihoods(logits_fn, examples, candidates, 80,
+                                  PATCHES, S, batch_size=4)
+  logp = table - np.log(np.exp(table).sum(-1, keepdims=True))
+  for i, e in enumerate(examples):
+    prompt = vd.prompt_ids(e, PATCHES)
+    for j, c in enumerate(candidates):
+      ids = prompt + list(c.encode()) + [vd.EOS]
+      want = sum(logp[ids[t], ids[t + 1]]
+                 for t in range(len(prompt) - 1, len(ids) - 1))
+      np.testing.assert_allclose(got[i, j], want, rtol=1e-5)
+  assert len(set(got[0].round(4))) == len(candidates)  # the test can fail
+  np.testing.assert_array_equal(
+      confusion_matrix(["red", "blue", "red", "red"],
+                       ["red", "red", "blue", "red"], ("red", "blue")),
+      [[2, 1], [1, 0]])
+
+
 def test_image_folder_loader_and_its_errors(tmp_path):
   from PIL import Image
   img = np.random.default_rng(6).integers(0, 256, (S, S, 3), dtype=np.uint8)
@@ -307,6 +379,8 @@ def test_image_folder_loader_and_its_errors(tmp_path):
     ("data.vision.question_types", "count,shape",
      "data.vision.question_types must be"),
     ("data.vision.source", "web", "data.vision.source must be one of"),
+    ("data.vision.colour_question", "size",
+     "data.vision.colour_question must be one of"),
     ("data.vision.text_fraction", 1.0, "data.vision.text_fraction"),
     ("curriculum.stage_end_factor", 2, "trains at one length"),
 ])

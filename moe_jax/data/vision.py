@@ -7,7 +7,7 @@ in one of six colours, small or large, jittered inside its quadrant. Each
 example asks one question about its scene:
 
   count     "how many circles?"                           -> "2"
-  colour    "what colour is the square?"                  -> "red"
+  colour    "what colour is the top left object?"         -> "red"
   position  "where is the blue triangle?"                 -> "top left"
   larger    "which is larger, the circle or the digit?"   -> "digit"
   digit     "what digit is shown?"                        -> "7"
@@ -16,6 +16,13 @@ example asks one question about its scene:
 Held-out split by composition: each kind has one held-out colour
 (HELD_OUT_PAIRS). No training scene contains an object of a held-out
 (kind, colour) pair; every held-out example asks about such an object.
+Colour questions name their object by its quadrant, not its kind: asked
+"what colour is the circle?" of a held-out green circle, the right answer
+is the one colour that training never gives to that question, so a model
+that fits its training data learns to rule it out (a model that sees no
+image scores 0, below chance). Named by position, every colour stays a
+possible answer, and the question tests reading the colour of a
+composition never seen. colour_question='kind' keeps the kind-named form.
 
 Token layout of one example (byte-level text, model.vocab_size >= VOCAB_SIZE):
   BOS BOI IMG*P EOI <prompt bytes> <answer bytes> EOS PAD...
@@ -202,9 +209,17 @@ def _plural(kind: str) -> str:
   return kind + "s"
 
 
+COLOUR_QUESTIONS = ("position", "kind")
+
+
 def make_scene_example(seed: int, split: str, index: int, qtype: str,
-                       image_size: int) -> Example:
-  """Example `index` of `split` ('train' | 'heldout') with question qtype."""
+                       image_size: int, colour_question: str = "position"
+                       ) -> Example:
+  """Example `index` of `split` ('train' | 'heldout') with question qtype.
+
+  colour_question (COLOUR_QUESTIONS): how a colour question names its
+  object; the scene is the same either way.
+  """
   rng = _rng(seed, SPLITS[split], QUESTION_TYPES.index(qtype), index)
   held = split == "heldout"
   quads = list(rng.permutation(4))
@@ -221,7 +236,14 @@ def make_scene_example(seed: int, split: str, index: int, qtype: str,
     target = _random_object(rng, kind, int(quads[0]), held)
     objs = _fill(rng, [target], (kind,), 1 + extra)
     if qtype == "colour":
-      prompt, answer = f"what colour is the {kind}?", target.colour
+      if colour_question == "kind":
+        prompt = f"what colour is the {kind}?"
+      elif colour_question == "position":
+        prompt = f"what colour is the {QUADRANTS[target.quadrant]} object?"
+      else:
+        raise ValueError(f"colour_question must be one of "
+                         f"{list(COLOUR_QUESTIONS)}, got {colour_question!r}")
+      answer = target.colour
     elif qtype == "position":
       prompt = f"where is the {target.colour} {kind}?"
       answer = QUADRANTS[target.quadrant]
@@ -440,7 +462,7 @@ class VisionData:
 
   Fields read: seq_len, batch_size, val_fraction, max_bytes and vision.*
   (source, question_types, text_fraction, blank_images, eval_examples,
-  folder). image_size and patch_size are model.vision's.
+  colour_question, folder). image_size and patch_size are model.vision's.
   """
 
   def __init__(self, data_cfg: Any, image_size: int, patch_size: int,
@@ -458,6 +480,8 @@ class VisionData:
     self.text_fraction = float(_field(v, "text_fraction", 0.0))
     self.blank_images = bool(_field(v, "blank_images", False))
     self.eval_examples = int(_field(v, "eval_examples"))
+    # A config saved without the field comes from runs that named the kind.
+    self.colour_question = _field(v, "colour_question", "kind")
     self.folder_examples = None
     if self.source == "folder":
       examples = load_image_folder(_field(v, "folder"), self.image_size)
@@ -480,7 +504,7 @@ class VisionData:
       pool = self.folder_examples[split]
       return pool[index % len(pool)]
     return make_scene_example(self.seed, split, index, qtype,
-                              self.image_size)
+                              self.image_size, self.colour_question)
 
   def train_example(self, index: int, qtype: str) -> Example:
     return self.example("train", index, qtype)

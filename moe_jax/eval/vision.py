@@ -6,6 +6,7 @@ the closing EOS): the exact match a greedy decode of the answer would give.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Iterable
 
 import flax.linen as nn
@@ -14,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_jax.data.stdlib_corpus import EOS, PAD
-from moe_jax.data.vision import QUESTION_TYPES, chance_accuracy, prompt_ids
+from moe_jax.data.vision import (QUESTION_TYPES, chance_accuracy, collate,
+                                  prompt_ids)
 from moe_jax.eval.step import apply_model
 
 
@@ -103,3 +105,40 @@ def greedy_answers(model: nn.Module, params, router_state, examples,
       break
   return [bytes(t for t in a if t < 256).decode("utf-8", "replace")
           for a in answers]
+
+
+def candidate_log_likelihoods(logits_fn: Callable, examples, candidates,
+                              seq_len: int, patches: int, image_size: int,
+                              batch_size: int = 64,
+                              blank_images: bool = False) -> np.ndarray:
+  """float64 [len(examples), len(candidates)]: log p(candidate answer + EOS
+  | image, prompt) of every example, each candidate teacher-forced in turn.
+
+  logits_fn(batch) -> logits [batch_size, seq_len, V] of a collated batch
+  (every call has batch_size rows: the last one is padded). Ranks whole
+  answers, so it does not depend on how the names split into bytes (one
+  name a prefix of another, or the first byte deciding).
+  """
+  rows = [dataclasses.replace(e, answer=c) for e in examples
+          for c in candidates]
+  out = np.zeros(len(rows))
+  for lo in range(0, len(rows), batch_size):
+    chunk = rows[lo:lo + batch_size]
+    pad = batch_size - len(chunk)
+    batch = collate(chunk + chunk[:1] * pad, seq_len, patches, image_size,
+                    blank_images)
+    del batch["qtype"]
+    logp = np.asarray(jax.nn.log_softmax(
+        jnp.asarray(logits_fn(batch), jnp.float32), -1))
+    picked = np.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0]
+    out[lo:lo + len(chunk)] = (picked * batch["loss_mask"]).sum(1)[:len(chunk)]
+  return out.reshape(len(examples), len(candidates))
+
+
+def confusion_matrix(truth, predicted, labels) -> np.ndarray:
+  """int64 [L, L]: counts of (true label row, predicted label column)."""
+  index = {label: i for i, label in enumerate(labels)}
+  out = np.zeros((len(labels), len(labels)), np.int64)
+  for t, p in zip(truth, predicted):
+    out[index[t], index[p]] += 1
+  return out

@@ -57,8 +57,9 @@ class Tuning:
   block_n, block_k: output columns per program and the contraction step of
     gmm; each is lowered to the largest power of two that divides its dim.
   tgmm_block_k, tgmm_block_n: the [K, N] output block of one tgmm program.
-  schedule: gmm's program layout, "visits" (the measured default) or
-    "tiles" (see the module docstring).
+  schedule: gmm's program layout, "visits" (the default, measured at both
+    the gpu_small and the gpu_1b shapes) or "tiles" (see the module
+    docstring; faster at the gpu_small shape on an H100, results/train_step.md).
   """
   block_m: int = 128
   block_n: int = 128

@@ -141,6 +141,28 @@ def visits(group_sizes: jax.Array, m_pad: int, block_m: int) -> tuple:
   return tile, group, lo, hi
 
 
+def _group_product(x_ref, w_ref, g, row0, j, acc, *, bm, bn, bk,
+                   transpose_rhs, precision, row_mask=None):
+  """acc + x[row0:row0+bm] @ w[g][:, cols j] over the whole K, fp32.
+
+  row_mask [bm, bk] (optional) zeroes the rows of other groups at load.
+  """
+  def body(kk, acc):
+    a = x_ref[pl.ds(row0, bm), pl.ds(kk * bk, bk)]
+    if row_mask is not None:
+      a = jnp.where(row_mask, a, jnp.zeros_like(a))
+    if transpose_rhs:    # w [E, N, K]: a @ w[g][cols]^T
+      b = w_ref[g, pl.ds(j * bn, bn), pl.ds(kk * bk, bk)]
+      dims = ((1,), (1,))
+    else:                # w [E, K, N]
+      b = w_ref[g, pl.ds(kk * bk, bk), pl.ds(j * bn, bn)]
+      dims = ((1,), (0,))
+    return acc + jax.lax.dot_general(a, b, (dims, ((), ())),
+                                     precision=precision,
+                                     preferred_element_type=_F32)
+  return jax.lax.fori_loop(0, x_ref.shape[1] // bk, body, acc)
+
+
 def _gmm_kernel(tile_ref, group_ref, lo_ref, hi_ref, x_ref, w_ref, o_ref, *,
                 bm, bn, bk, num_groups, transpose_rhs, precision):
   v, j = pl.program_id(0), pl.program_id(1)
@@ -149,22 +171,12 @@ def _gmm_kernel(tile_ref, group_ref, lo_ref, hi_ref, x_ref, w_ref, o_ref, *,
   rows = row0 + jax.lax.broadcasted_iota(jnp.int32, (bm, bn), 0)
   mask = (rows >= lo) & (rows < hi)
   out = o_ref.at[pl.ds(row0, bm), pl.ds(j * bn, bn)]
-  k_dim = x_ref.shape[1]
 
   @pl.when((hi > lo) & (g < num_groups))
   def _():
-    def body(kk, acc):
-      a = x_ref[pl.ds(row0, bm), pl.ds(kk * bk, bk)]
-      if transpose_rhs:    # w [E, N, K]: a @ w[g][cols]^T
-        b = w_ref[g, pl.ds(j * bn, bn), pl.ds(kk * bk, bk)]
-        dims = ((1,), (1,))
-      else:                # w [E, K, N]
-        b = w_ref[g, pl.ds(kk * bk, bk), pl.ds(j * bn, bn)]
-        dims = ((1,), (0,))
-      return acc + jax.lax.dot_general(a, b, (dims, ((), ())),
-                                       precision=precision,
-                                       preferred_element_type=_F32)
-    acc = jax.lax.fori_loop(0, k_dim // bk, body, jnp.zeros((bm, bn), _F32))
+    acc = _group_product(x_ref, w_ref, g, row0, j, jnp.zeros((bm, bn), _F32),
+                         bm=bm, bn=bn, bk=bk, transpose_rhs=transpose_rhs,
+                         precision=precision)
     plgpu.store(out, acc.astype(o_ref.dtype), mask=mask)
 
   @pl.when((hi > lo) & (g >= num_groups))
@@ -209,24 +221,12 @@ def _gmm_tile_kernel(first_ref, last_ref, start_ref, end_ref, x_ref, w_ref,
   t, j = pl.program_id(0), pl.program_id(1)
   row0 = t * bm
   rows = row0 + jax.lax.broadcasted_iota(jnp.int32, (bm, bk), 0)
-  k_dim = x_ref.shape[1]
 
   def group(g, acc):
     in_g = (rows >= start_ref[g]) & (rows < end_ref[g])
-
-    def body(kk, acc):
-      a = x_ref[pl.ds(row0, bm), pl.ds(kk * bk, bk)]
-      a = jnp.where(in_g, a, jnp.zeros_like(a))
-      if transpose_rhs:    # w [E, N, K]: a @ w[g][cols]^T
-        b = w_ref[g, pl.ds(j * bn, bn), pl.ds(kk * bk, bk)]
-        dims = ((1,), (1,))
-      else:                # w [E, K, N]
-        b = w_ref[g, pl.ds(kk * bk, bk), pl.ds(j * bn, bn)]
-        dims = ((1,), (0,))
-      return acc + jax.lax.dot_general(a, b, (dims, ((), ())),
-                                       precision=precision,
-                                       preferred_element_type=_F32)
-    return jax.lax.fori_loop(0, k_dim // bk, body, acc)
+    return _group_product(x_ref, w_ref, g, row0, j, acc, bm=bm, bn=bn, bk=bk,
+                          transpose_rhs=transpose_rhs, precision=precision,
+                          row_mask=in_g)
 
   acc = jax.lax.fori_loop(first_ref[t], last_ref[t] + 1, group,
                           jnp.zeros((bm, bn), _F32))
@@ -274,26 +274,19 @@ def _gmm_call(x, w, group_sizes, transpose_rhs, tune, interpret):
   bm = tune.block_m
   m_pad = pl.cdiv(m, bm) * bm
   bn, bk = _block(n, tune.block_n), _block(k, tune.block_k)
+  precision = _precision(x.dtype)
   if tune.schedule == "tiles":
-    first, last = tile_groups(group_sizes, m_pad, bm)
-    start, end = group_bounds(group_sizes)
-    out = pl.pallas_call(
-        functools.partial(_gmm_tile_kernel, bm=bm, bn=bn, bk=bk,
-                          transpose_rhs=transpose_rhs,
-                          precision=_precision(x.dtype)),
-        grid=(m_pad // bm, n // bn),
-        out_shape=jax.ShapeDtypeStruct((m_pad, n), x.dtype),
-        compiler_params=_params(tune.num_warps, tune.num_stages),
-        interpret=interpret,
-        name="gmm",
-    )(first, last, start, end, _pad_rows(x, m_pad), w.astype(x.dtype))
-    return out[:m]
-  meta = visits(group_sizes, m_pad, bm)
+    kernel = functools.partial(_gmm_tile_kernel, transpose_rhs=transpose_rhs,
+                               precision=precision)
+    meta = (*tile_groups(group_sizes, m_pad, bm), *group_bounds(group_sizes))
+  else:
+    kernel = functools.partial(_gmm_kernel, num_groups=w.shape[0],
+                               transpose_rhs=transpose_rhs,
+                               precision=precision)
+    meta = visits(group_sizes, m_pad, bm)
   out = pl.pallas_call(
-      functools.partial(_gmm_kernel, bm=bm, bn=bn, bk=bk,
-                        num_groups=w.shape[0], transpose_rhs=transpose_rhs,
-                        precision=_precision(x.dtype)),
-      grid=(meta[0].shape[0], n // bn),
+      functools.partial(kernel, bm=bm, bn=bn, bk=bk),
+      grid=(meta[0].shape[0], n // bn),   # one row per tile / per visit
       out_shape=jax.ShapeDtypeStruct((m_pad, n), x.dtype),
       compiler_params=_params(tune.num_warps, tune.num_stages),
       interpret=interpret,

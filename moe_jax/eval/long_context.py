@@ -359,6 +359,14 @@ def _pyplot():
   return plt
 
 
+def _save(plt, fig, path: str) -> bool:
+  """Writes fig to path and frees it; True (the plot functions' result)."""
+  fig.tight_layout()
+  fig.savefig(path)
+  plt.close(fig)
+  return True
+
+
 def plot_loss(rows: list[dict], train_len: int, path: str) -> bool:
   """Loss against position (log x); False where matplotlib is missing."""
   plt = _pyplot()
@@ -373,10 +381,7 @@ def plot_loss(rows: list[dict], train_len: int, path: str) -> bool:
   ax.set_ylabel("loss (nats)")
   ax.set_title("loss against position")
   ax.legend()
-  fig.tight_layout()
-  fig.savefig(path)
-  plt.close(fig)
-  return True
+  return _save(plt, fig, path)
 
 
 def plot_passkey(res: dict, path: str) -> bool:
@@ -396,10 +401,7 @@ def plot_passkey(res: dict, path: str) -> bool:
   ax.set_ylabel("needle depth")
   ax.set_title("passkey retrieval accuracy")
   fig.colorbar(im)
-  fig.tight_layout()
-  fig.savefig(path)
-  plt.close(fig)
-  return True
+  return _save(plt, fig, path)
 
 
 def plot_mqar(res: dict, path: str) -> bool:
@@ -417,7 +419,4 @@ def plot_mqar(res: dict, path: str) -> bool:
   ax.set_ylabel("accuracy")
   ax.set_title("MQAR")
   ax.legend()
-  fig.tight_layout()
-  fig.savefig(path)
-  plt.close(fig)
-  return True
+  return _save(plt, fig, path)

@@ -140,9 +140,10 @@ def test_kda_layer_hands_segment_ids_to_the_pallas_kernels(monkeypatch):
   # Traced only (the kernels' values: tests/test_pallas_packing.py):
   # the layer's ids reach the Pallas op, which builds its document index.
   seen = []
-  index = kda_chunk.chunk_document_index
-  monkeypatch.setattr(kda_chunk, "chunk_document_index",
-                      lambda s, tp: seen.append(s.shape) or index(s, tp))
+  index = kda_chunk.checked_document_index
+  monkeypatch.setattr(kda_chunk, "checked_document_index",
+                      lambda s, bt, tp: (s is not None and seen.append(s.shape))
+                      or index(s, bt, tp))
   layer = KDA(d_model=32, num_heads=2, backend="interpret")
   x = jnp.zeros((len(LENGTHS), T, 32))
   variables = jax.eval_shape(layer.init, jax.random.PRNGKey(0), x[:, :8])

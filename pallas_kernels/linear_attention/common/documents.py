@@ -44,6 +44,17 @@ def chunk_document_index(segment_ids, tp):
                     axis=-1).reshape(bsz, tp)
 
 
+def checked_document_index(segment_ids, batch_time, tp):
+  """chunk_document_index of segment_ids after checking it is [B, T] (the
+  op's batch_time); None stays None (unpacked rows)."""
+  if segment_ids is None:
+    return None
+  if tuple(segment_ids.shape) != tuple(batch_time):
+    raise ValueError(f"segment_ids must have shape [B, T]="
+                     f"{tuple(batch_time)}, got {tuple(segment_ids.shape)}")
+  return chunk_document_index(segment_ids, tp)
+
+
 def document_spec():
   """Chunk n of the [B, Tp] document index; grid (B, H, N[, j])."""
   return pl.BlockSpec((None, CHUNK), lambda b, h, n, *_: (b, n))

@@ -92,7 +92,7 @@ import jax.numpy as jnp
 from pallas_kernels.linear_attention import ops
 from pallas_kernels.linear_attention.common import mosaic
 from pallas_kernels.linear_attention.common.documents import (
-    chunk_document_index)
+    checked_document_index)
 from pallas_kernels.linear_attention.common.output import output_call
 from pallas_kernels.linear_attention.common.tiles import (
     CHUNK, G_MIN_LOWEST, MAX_DIM, TILE, F32, GMinError, block_v, check_dims,
@@ -244,12 +244,8 @@ def gla_pallas(q, k, v, g, *, scale, initial_state, chunk_size, g_min,
   # g_min, g), with zero gradient below g_min (at g == g_min the gradient
   # passes); the intra kernel clamps, grad_k masks dg: no XLA passes.
   clamp = float(g_min) if bounded else None
-  docs = None
-  if segment_ids is not None:
-    if tuple(segment_ids.shape) != (bsz, q.shape[1]):
-      raise ValueError(f"segment_ids must have shape [B, T]="
-                       f"{(bsz, q.shape[1])}, got {tuple(segment_ids.shape)}")
-    docs = chunk_document_index(segment_ids, call_layout(q, v, tune)["tp"])
+  docs = checked_document_index(segment_ids, q.shape[:2],
+                                call_layout(q, v, tune)["tp"])
   return _gla_pallas_vjp(q, k, v, g.astype(F32), initial_state.astype(F32),
                          docs, scale, bool(bounded), clamp, tune,
                          bool(interpret))

@@ -102,7 +102,7 @@ import jax.numpy as jnp
 from pallas_kernels.linear_attention import ops
 from pallas_kernels.linear_attention.common import mosaic
 from pallas_kernels.linear_attention.common.documents import (
-    chunk_document_index)
+    checked_document_index)
 from pallas_kernels.linear_attention.common.output import output_call
 from pallas_kernels.linear_attention.common.tiles import (
     G_MIN_LOWEST, F32, GMinError, block_v, check_dims, check_g_min,
@@ -287,12 +287,8 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, g_min,
   if tune.output_kernel == "mosaic":
     mosaic.check_state_pass(kp, dv, v.dtype, kp, block_v(dv, tune.bv),
                             "rows", whole_k=True, what="output_kernel")
-  docs = None
-  if segment_ids is not None:
-    if tuple(segment_ids.shape) != (bsz, q.shape[1]):
-      raise ValueError(f"segment_ids must have shape [B, T]="
-                       f"{(bsz, q.shape[1])}, got {tuple(segment_ids.shape)}")
-    docs = chunk_document_index(segment_ids, call_layout(q, v, tune)["tp"])
+  docs = checked_document_index(segment_ids, q.shape[:2],
+                                call_layout(q, v, tune)["tp"])
   return _kda_pallas_vjp(q, k, v, g.astype(F32), beta,
                          initial_state.astype(F32), docs, scale,
                          bool(bounded), bool(interpret), clamp, tune)

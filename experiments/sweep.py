@@ -232,6 +232,13 @@ def main(argv):
   from absl import app
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  import jax
+  if not jax.config.jax_compilation_cache_dir:
+    # Seeds of one entry compile the same programs: the second seed on
+    # loads them from this cache instead of compiling again.
+    jax.config.update("jax_compilation_cache_dir",
+                      os.path.join(_WORKDIR.value, ".jax_cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
   summary = run_sweep(_CONFIG.value, _WORKDIR.value, _ONLY.value,
                       _SEEDS.value)
   print(summary_markdown(summary))

@@ -47,7 +47,7 @@ def base_config() -> ml_collections.ConfigDict:
   m.norm_eps = 1e-6
   m.residual = "block_attn_res"  # block_attn_res | standard
   m.attn_res_layers_per_block = 2  # sublayers per AttnRes block (1 = full AttnRes)
-  m.remat = "none"              # none | sublayer | dots (moe_jax.model.REMAT_POLICIES)
+  m.remat = "none"              # none | sublayer | dots | experts (moe_jax.model.REMAT_POLICIES)
 
   # Vision front end (moe_jax/layers/vision.py); 'none' = text only.
   vis = m.vision = ml_collections.ConfigDict()

@@ -159,7 +159,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   _int_range(config, "model.moe.first_dense_layers", 0,
              config.model.num_layers)
   _int_range(config, "model.moe.d_dense", 1)
-  _one_of(config, "model.remat", ("none", "sublayer", "dots"))
+  _one_of(config, "model.remat", ("none", "sublayer", "dots", "experts"))
   _one_of(config, "model.moe.dispatch", ("ragged", "loop"))
   _one_of(config, "model.moe.grouped_matmul",
           ("auto", "ragged_dot", "pallas", "interpret"))

@@ -24,7 +24,7 @@ import ml_collections
 
 from moe_jax.balancing import QB_HIST_SCALE
 from moe_jax.data.vision import IMAGE_TOKEN
-from moe_jax.layers import mesh_utils
+from moe_jax.layers import expert_parallel, mesh_utils
 from moe_jax.layers.attn_res import AttnResMix, BlockAttnResState
 from moe_jax.layers.kda import KDA
 from moe_jax.layers.mla import GatedMLA
@@ -42,11 +42,16 @@ ONE_HOT_MAX_VOCAB = 4096
 # model.remat: what each sublayer keeps for the backward pass. "none" keeps
 # every activation; "sublayer" keeps only the sublayer's input and recomputes
 # the rest (one more forward, the least memory); "dots" keeps the outputs of
-# its matmuls and recomputes the elementwise work between them.
+# its matmuls and recomputes the elementwise work between them; "experts"
+# keeps the routed experts' gate/up products and outputs ([N k, 2F] + [N k, D]
+# per MoE layer) and recomputes the rest, so the backward runs no grouped
+# matmul forward again.
 REMAT_POLICIES = {
     "none": None,
     "sublayer": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "experts": jax.checkpoint_policies.save_only_these_names(
+        expert_parallel.EXPERT_GATE_UP, expert_parallel.EXPERT_OUTPUT),
 }
 
 

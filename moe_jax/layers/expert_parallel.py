@@ -44,6 +44,7 @@ from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from moe_jax.balancing import sorted_counts
@@ -55,6 +56,10 @@ from pallas_kernels.grouped_matmul import gmm
 # "interpret" (the same kernels in the Pallas interpreter, for CPU tests),
 # "auto" (pallas on a GPU, ragged_dot elsewhere).
 GROUPED_MATMULS = ("auto", "ragged_dot", "pallas", "interpret")
+
+# checkpoint_name tags of the experts' activations (model.REMAT_POLICIES).
+EXPERT_GATE_UP = "expert_gate_up"
+EXPERT_OUTPUT = "expert_output"
 
 # Axes that may split the token dims [B, T] (or [N]); the expert axis must be
 # one of them so that each token is dispatched by exactly one device.
@@ -79,19 +84,29 @@ def expert_ffn(xs, group_sizes, w_gate, w_up, w_down, matmul="ragged_dot"):
   The Pallas path runs gate and up as one product against [E, D, 2F] (xs
   read once, one launch); ragged_dot keeps the two products.
 
+  The gate/up product and the output are named for remat policies
+  (EXPERT_GATE_UP, EXPERT_OUTPUT; model.remat="experts" keeps them, so the
+  backward recomputes neither grouped matmul).
+
   Returns [M, D] in xs.dtype (zero rows past sum(group_sizes)).
   """
   matmul = resolve_grouped_matmul(matmul, w_gate.shape[1:])
   if matmul == "ragged_dot":
-    h = (jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, group_sizes))
-         * jax.lax.ragged_dot(xs, w_up, group_sizes))            # [M, F]
-    return jax.lax.ragged_dot(h, w_down, group_sizes)
+    gate = checkpoint_name(jax.lax.ragged_dot(xs, w_gate, group_sizes),
+                           EXPERT_GATE_UP)
+    up = checkpoint_name(jax.lax.ragged_dot(xs, w_up, group_sizes),
+                         EXPERT_GATE_UP)
+    h = jax.nn.silu(gate) * up                                   # [M, F]
+    return checkpoint_name(jax.lax.ragged_dot(h, w_down, group_sizes),
+                           EXPERT_OUTPUT)
   interpret = matmul == "interpret"
   f = w_gate.shape[-1]
   gu = gmm(xs, jnp.concatenate([w_gate, w_up], axis=-1), group_sizes,
            interpret=interpret)                                  # [M, 2F]
+  gu = checkpoint_name(gu, EXPERT_GATE_UP)
   h = jax.nn.silu(gu[:, :f]) * gu[:, f:]
-  return gmm(h, w_down, group_sizes, interpret=interpret)
+  return checkpoint_name(gmm(h, w_down, group_sizes, interpret=interpret),
+                         EXPERT_OUTPUT)
 
 
 def ragged_experts(x, idx, w, w_gate, w_up, w_down, matmul="ragged_dot"):

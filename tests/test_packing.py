@@ -338,3 +338,11 @@ def test_packing_errors():
   with pytest.raises(ValueError, match="data.source='stdlib'"):
     make_datasets({"source": "token_file", "path": "/tmp/x.bin",
                    "seq_len": 8, "batch_size": 2, "packing": "documents"})
+  # Decoding continues one sequence: the layers refuse segment ids there.
+  x, seg = jnp.zeros((1, 8, 32)), jnp.zeros((1, 8), jnp.int32)
+  for layer in (KDA(d_model=32, num_heads=2, backend="xla"),
+                GatedMLA(d_model=32, num_heads=2, kv_lora_rank=16,
+                         qk_nope_head_dim=16, v_head_dim=16)):
+    with pytest.raises(NotImplementedError, match="not supported with decode"):
+      jax.eval_shape(lambda l=layer: l.init(jax.random.PRNGKey(0), x,
+                                            decode=True, segment_ids=seg))

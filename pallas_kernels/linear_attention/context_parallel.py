@@ -46,9 +46,9 @@ Packed documents (segment_ids [B, T], a document a run of equal ids, as in
 from zero at every document start inside it. From the first local start t_0
 on, the state entering the device reaches neither the outputs nor the exit
 state: A_d = 0 (in a row with a local start) and the correction basis is
-zero for t >= t_0. For KDA this comes by itself: the
-reset zeroes the whole widened state, so P_t = 0 from t_0 on. For GLA, qp_t
-and diag(A) are masked from t_0 on. A document may also start exactly at a
+zero for t >= t_0. For KDA this comes by itself: the reset zeroes the whole
+widened state, so P_t = 0 from t_0 on. For GLA, qp_t and diag(A) are
+masked from t_0 on. A document may also start exactly at a
 device's first token, which the device cannot see locally (the previous id
 is on the previous device): every device all_gathers its first and last id
 (2 ints per row) and the fold sets the state entering device d to

@@ -123,7 +123,7 @@ def base_config() -> ml_collections.ConfigDict:
   d.batch_size = 16             # global batch, sequences per step
   # concat: windows anywhere, documents unmasked (ablation) | documents:
   # windows from document starts with segment_ids; the model keeps documents
-  # apart (stdlib only; not with mesh.context > 1).
+  # apart (stdlib only; any mesh).
   d.packing = "concat"
   # data.source='vision' (moe_jax/data/vision.py): image-text examples.
   dv = d.vision = ml_collections.ConfigDict()

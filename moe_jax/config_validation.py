@@ -256,8 +256,8 @@ VISION_QUESTION_TYPES = ("count", "colour", "position", "larger", "digit",
 
 def validate_packing_config(config: ml_collections.ConfigDict) -> None:
   """data.packing: 'documents' needs the stdlib corpus (documents are its
-  files) and no context parallelism (any KDA backend: the XLA reference and
-  the Pallas kernels both take segment ids)."""
+  files); any KDA backend and any mesh (the XLA reference, the Pallas
+  kernels and the context-parallel ops all take segment ids)."""
   if "packing" not in config.data:
     return
   _one_of(config, "data.packing", ("concat", "documents"))
@@ -267,10 +267,6 @@ def validate_packing_config(config: ml_collections.ConfigDict) -> None:
     raise ConfigError("data.packing='documents' needs data.source='stdlib' "
                       "(its documents are the corpus's files), got "
                       f"{config.data.source!r}")
-  if "mesh" in config and config.mesh.get("context", 1) != 1:
-    raise ConfigError("data.packing='documents' needs mesh.context=1 (no "
-                      "context parallelism with document boundaries yet), "
-                      f"got {config.mesh.context}")
 
 
 def validate_vision_config(config: ml_collections.ConfigDict) -> None:

@@ -174,7 +174,8 @@ class HybridLM(nn.Module):
       of equal ids, data.packing='documents'): MLA attends within a
       document and KDA's short convs and state restart at each document
       start, so a packed row computes what each document alone would
-      (any model.kda.backend; not with decode or context parallelism).
+      (any model.kda.backend, with or without context parallelism; not
+      with decode).
     """
     c = self.cfg
     dtype = _DTYPES[c.dtype]

@@ -3,7 +3,9 @@
 Gated MLA (latent all-gather, global causal positions) and the KDA layer
 (context-parallel KDA op) run under `jax.set_mesh` with a 'context' axis on 8
 fake CPU devices and are compared, same params, with the plain layers run
-without a mesh: outputs and gradients wrt params and inputs.
+without a mesh: outputs and gradients wrt params and inputs, also on packed
+documents (segment ids: the plain layers mask attention, short convs and the
+KDA state by document).
 """
 import functools
 
@@ -28,56 +30,76 @@ MLA_CONFIGS = {
 }
 
 
+def _segment_ids(t, starts):
+  """[B, T] int segment ids with documents starting at starts[row]."""
+  ids = np.zeros((B, t), np.int32)
+  for row, row_starts in enumerate(starts):
+    ids[row, row_starts] = 1
+  return np.cumsum(ids, axis=1).astype(np.int32)
+
+
 def _value_and_grad(model):
   """jit(value_and_grad) of <y, ct> wrt (params, x)."""
 
-  def loss(params, x, ct):
-    y = model.apply(params, x)
+  def loss(params, x, ct, segment_ids):
+    y = model.apply(params, x, segment_ids=segment_ids)
     return jnp.sum(y * ct), y
 
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
 
 
-def _compare(model, mesh, t, seed=0):
+def _compare(model, mesh, t, seed=0, segment_ids=None):
   x = jax.random.normal(jax.random.PRNGKey(seed), (B, t, D))
   ct = jax.random.normal(jax.random.PRNGKey(seed + 1), (B, t, D))
   params = jax.jit(model.init)(jax.random.PRNGKey(2), x)
-  (_, y_ref), (gp_ref, gx_ref) = _value_and_grad(model)(params, x, ct)
+  (_, y_ref), (gp_ref, gx_ref) = _value_and_grad(model)(params, x, ct,
+                                                        segment_ids)
   with jax.set_mesh(mesh):
     # Init under the mesh builds the same params (same paths and inits).
     params_cp = jax.jit(model.init)(jax.random.PRNGKey(2), x)
-    (_, y), (gp, gx) = _value_and_grad(model)(params, x, ct)
+    (_, y), (gp, gx) = _value_and_grad(model)(params, x, ct, segment_ids)
     # The parallel path really ran (not the plain fallback).
     assert "all_gather" in str(jax.make_jaxpr(model.apply)(params, x))
   assert "all_gather" not in str(jax.make_jaxpr(model.apply)(params, x))
   jax.tree_util.tree_map(np.testing.assert_array_equal, params_cp, params)
+  assert np.all(np.isfinite(y)) and np.all(np.isfinite(gx))
   np.testing.assert_allclose(y, y_ref, rtol=RTOL, atol=ATOL)
   np.testing.assert_allclose(gx, gx_ref, rtol=RTOL, atol=ATOL)
   flat, flat_ref = (jax.tree_util.tree_leaves_with_path(g)
                     for g in (gp, gp_ref))
   for (path, g), (_, g_ref) in zip(flat, flat_ref):
+    assert np.all(np.isfinite(g)), jax.tree_util.keystr(path)
     np.testing.assert_allclose(g, g_ref, rtol=RTOL, atol=ATOL,
                                err_msg=jax.tree_util.keystr(path))
     assert np.abs(np.asarray(g_ref)).max() > 0, jax.tree_util.keystr(path)
 
 
 @pytest.mark.parametrize("name", sorted(MLA_CONFIGS))
-@pytest.mark.parametrize("mesh_shape,mesh_names,axis_type", [
-    ((8,), ("context",), AxisType.Explicit),
-    ((2, 4), ("data", "context"), AxisType.Auto),
+@pytest.mark.parametrize("mesh_shape,mesh_names,axis_type,packed", [
+    ((8,), ("context",), AxisType.Explicit, False),
+    ((2, 4), ("data", "context"), AxisType.Auto, False),
+    ((8,), ("context",), AxisType.Explicit, True),
 ])
 def test_mla_context_parallel_matches_unsharded(name, mesh_shape, mesh_names,
-                                                axis_type):
+                                                axis_type, packed):
   model = GatedMLA(d_model=D, **MLA_CONFIGS[name])
   mesh = jax.make_mesh(mesh_shape, mesh_names,
                        axis_types=(axis_type,) * len(mesh_shape))
-  _compare(model, mesh, t=8 * 3)
+  # 3 tokens per device: starts at device 1's first token, twice on device
+  # 2 (the last document spans devices 2 to 6), and mid-device in row 1.
+  segment_ids = _segment_ids(24, [[3, 7, 8, 20], [5, 12]]) if packed else None
+  _compare(model, mesh, t=8 * 3, segment_ids=segment_ids)
 
 
-def test_kda_layer_context_parallel_matches_unsharded():
+@pytest.mark.parametrize("packed", [False, True], ids=["one_doc", "packed"])
+def test_kda_layer_context_parallel_matches_unsharded(packed):
+  """Packed: the short convs (automatic sharding) and the op (shard_map)
+  both see document starts at and inside device boundaries."""
   model = KDA(d_model=D, num_heads=2, chunk_size=16, backend="xla")
   mesh = jax.make_mesh((2, 4), ("data", "context"))
-  _compare(model, mesh, t=4 * 24)
+  segment_ids = (_segment_ids(96, [[10, 24, 90], [30, 35, 48]]) if packed
+                 else None)
+  _compare(model, mesh, t=4 * 24, segment_ids=segment_ids)
 
 
 def test_latent_attention_causality_uses_global_positions():

@@ -16,6 +16,10 @@ block is masked (the usual causal load imbalance of contiguous blocks; a
 striped or ring layout would even it out, not done here). The mask is
 explicit (an offset causal mask), so on GPU `jax.nn.dot_product_attention`
 picks an implementation that takes a mask.
+
+Packed documents: with segment ids [B, T] each device also all_gathers the
+ids of the whole sequence (B T ints, beside the B T R latent) and masks to
+causal AND same document, so a query never sees an earlier document.
 """
 from __future__ import annotations
 
@@ -28,12 +32,13 @@ from jax.sharding import PartitionSpec as P
 from moe_jax.layers import mesh_utils
 
 
-def _local_attention(q, c_kv, w_uk, w_uv, k_rope, *, axis, scale, dtype,
-                     implementation):
+def _local_attention(q, c_kv, w_uk, w_uv, k_rope, segment_ids, *, axis,
+                     scale, dtype, implementation):
   """One device's block: gather the latent, up-project, masked attention.
 
   Shapes are this device's shards: q [B, T_l, H, Dqk]; c_kv [B, T_l, R];
-  w_uk [R, H, Dn]; w_uv [R, H, Dv]; k_rope [B, T_l, Dr] or None.
+  w_uk [R, H, Dn]; w_uv [R, H, Dv]; k_rope [B, T_l, Dr] or None;
+  segment_ids [B, T_l] int or None.
   Returns o [B, T_l, H, Dv].
   """
   bsz, t_local, h, dqk = q.shape
@@ -54,9 +59,13 @@ def _local_attention(q, c_kv, w_uk, w_uv, k_rope, *, axis, scale, dtype,
       a, ((0, 0), (0, 0), (0, 0), (0, width - a.shape[-1])))
   q, k, v = pad(q), pad(k), pad(v)
   q_pos = jax.lax.axis_index(axis) * t_local + jnp.arange(t_local)
-  mask = jnp.arange(t)[None, :] <= q_pos[:, None]                  # [T_l, T]
-  o = jax.nn.dot_product_attention(q, k, v, mask=mask[None, None],
-                                   scale=scale, implementation=implementation)
+  mask = (jnp.arange(t)[None, :] <= q_pos[:, None])[None, None]  # [1,1,T_l,T]
+  if segment_ids is not None:
+    ids_full = jax.lax.all_gather(segment_ids, axis, axis=1, tiled=True)
+    mask = mask & (segment_ids[:, None, :, None]
+                   == ids_full[:, None, None, :])                # [B,1,T_l,T]
+  o = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale,
+                                   implementation=implementation)
   return o[..., :dv]
 
 
@@ -65,7 +74,7 @@ def context_parallel_latent_attention(
     k_rope: Optional[jax.Array] = None, *, scale: float, mesh=None,
     axis: str = "context", dtype=jnp.float32,
     implementation: Optional[str] = None, batch_axes=None,
-    head_axes=None) -> jax.Array:
+    head_axes=None, segment_ids: Optional[jax.Array] = None) -> jax.Array:
   """Causal MLA attention with queries split over `axis`, latent all-gathered.
 
   Args:
@@ -83,6 +92,8 @@ def context_parallel_latent_attention(
     implementation: passed to jax.nn.dot_product_attention.
     batch_axes, head_axes: mesh axes splitting B and H; None picks among
       ("data", "fsdp", "expert") and ("tensor",) those that divide.
+    segment_ids: None or [B, T] int, packed documents (a document is a run of
+      equal ids): a query attends to earlier keys of its own document only.
   Returns:
     o [B, T, H, Dv] in the compute dtype, split like q.
   """
@@ -99,6 +110,9 @@ def context_parallel_latent_attention(
     raise ValueError(f"w_uk must be [R, H, Dqk - Dr] and w_uv [R, H, Dv]; "
                      f"got {w_uk.shape}, {w_uv.shape} for q {q.shape}, "
                      f"Dr={dr}")
+  if segment_ids is not None and jnp.shape(segment_ids) != (bsz, t):
+    raise ValueError(f"segment_ids must have shape [B, T]={(bsz, t)}, got "
+                     f"{jnp.shape(segment_ids)}")
   if t % sizes[axis]:
     raise ValueError(f"sequence length T={t} is not divisible by the "
                      f"{axis!r} axis size {sizes[axis]}")
@@ -111,13 +125,17 @@ def context_parallel_latent_attention(
   args = [q, c_kv, w_uk, w_uv]
   specs = [P(bs, axis, hs, None), P(bs, axis, None), P(None, hs, None),
            P(None, hs, None)]
-  if k_rope is not None:
-    args.append(k_rope)
-    specs.append(P(bs, axis, None))
+  optional = {}  # name -> position in args
+  for name, x in (("k_rope", k_rope), ("segment_ids", segment_ids)):
+    if x is not None:
+      optional[name] = len(args)
+      args.append(x)
+      specs.append(P(bs, axis, None) if name == "k_rope" else P(bs, axis))
 
-  def body(q, c_kv, w_uk, w_uv, k_rope=None):
-    return _local_attention(q, c_kv, w_uk, w_uv, k_rope, axis=axis,
-                            scale=scale, dtype=dtype,
+  def body(*xs):
+    kw = {name: xs[i] for name, i in optional.items()}
+    return _local_attention(*xs[:4], kw.get("k_rope"), kw.get("segment_ids"),
+                            axis=axis, scale=scale, dtype=dtype,
                             implementation=implementation)
 
   args = [mesh_utils.reshard(x, s, mesh) for x, s in zip(args, specs)]

@@ -156,7 +156,7 @@ class KDA(nn.Module):
     segment_ids: optional [B, T] int, packed documents (a document is a run
       of equal ids): the short convs do not read across a document start
       and the recurrence restarts from zero at each one (every backend of
-      ops.kda; not with decode or context parallelism).
+      ops.kda, also under context parallelism; not with decode).
 
     decode: continue from the `cache` collection (make it mutable) and
       update it: T > 1 (prefill) runs the chunked op from the cached state,
@@ -168,10 +168,9 @@ class KDA(nn.Module):
     h = self.num_heads
     dk = self.d_model // h
     n_ctx = mesh_utils.axis_size(self.mesh_axes.context)
-    if segment_ids is not None and (decode or (n_ctx > 1 and t % n_ctx == 0)):
+    if segment_ids is not None and decode:
       raise NotImplementedError(
-          "KDA: segment_ids (packed documents) are not supported with decode "
-          "or context parallelism (mesh.context > 1)")
+          "KDA: segment_ids (packed documents) are not supported with decode")
     def dense(n, name, axes, init=DEFAULT_KERNEL_INIT):
       return nn.Dense(n, use_bias=False, dtype=self.dtype,
                       param_dtype=self.param_dtype,
@@ -231,7 +230,8 @@ class KDA(nn.Module):
                                                  b, h)
       o, _ = kda_context_parallel(q, k, v, g, beta,
                                   axis=self.mesh_axes.context,
-                                  batch_axes=b_axes, head_axes=h_axes, **op_kw)
+                                  batch_axes=b_axes, head_axes=h_axes,
+                                  segment_ids=segment_ids, **op_kw)
     else:
       o, _ = kda_op(q, k, v, g, beta, segment_ids=segment_ids, **op_kw)
 

@@ -74,7 +74,7 @@ class GatedMLA(nn.Module):
 
     segment_ids: optional [B, T] int, packed documents: a token attends only
       to earlier tokens of its own document (causal AND same id), with the
-      XLA attention (not with decode or context parallelism).
+      XLA attention, also under context parallelism (not with decode).
 
     decode: attend over the `cache` collection (make it mutable) after
       appending this call's T latents at its `index`; created with zeros and
@@ -109,15 +109,14 @@ class GatedMLA(nn.Module):
     c_kv = RMSNorm(self.norm_eps, name="kv_norm")(
         dense(self.kv_lora_rank, "kv_down", ("embed", None))(x))
     n_ctx = mesh_utils.axis_size(self.mesh_axes.context)
-    if segment_ids is not None and (decode or (n_ctx > 1 and t % n_ctx == 0)):
+    if segment_ids is not None and decode:
       raise NotImplementedError(
-          "MLA: segment_ids (packed documents) are not supported with decode "
-          "or context parallelism (mesh.context > 1)")
+          "MLA: segment_ids (packed documents) are not supported with decode")
     if decode:
       o = self._cached_attention(x, q, c_kv, dense, new_sequence)
     elif n_ctx > 1 and t % n_ctx == 0:
       # Context parallel: gather the small latent, not the keys and values.
-      o = self._context_attention(x, q, c_kv, dense)
+      o = self._context_attention(x, q, c_kv, dense, segment_ids)
     else:
       o = self._attention(x, q, c_kv, dense, segment_ids=segment_ids)
 
@@ -127,8 +126,12 @@ class GatedMLA(nn.Module):
                      self.out_init_scale, "fan_in", "truncated_normal"))(
                          o * gate)
 
-  def _context_attention(self, x, q, c_kv, dense):
-    """Attention with T split over the context axis; o [B, T, H * Dv]."""
+  def _context_attention(self, x, q, c_kv, dense, segment_ids=None):
+    """Attention with T split over the context axis; o [B, T, H * Dv].
+
+    segment_ids: [B, T] or None; with ids the XLA implementation, as in
+    `_attention`.
+    """
     b, t, _ = x.shape
     h, dn, dr, dv = (self.num_heads, self.qk_nope_head_dim,
                      self.qk_rope_head_dim, self.v_head_dim)
@@ -146,12 +149,14 @@ class GatedMLA(nn.Module):
       q_rope = apply_rope(q[..., dn:], positions, self.rope_theta)
       q = jnp.concatenate([q[..., :dn], q_rope], axis=-1)
     impl = None if self.attention_impl == "auto" else self.attention_impl
+    if segment_ids is not None:
+      impl = "xla"
     b_axes, h_axes = self.mesh_axes.split_axes(mesh_utils.resolve_mesh(), b,
                                                h)
     o = context_parallel_latent_attention(
         q, c_kv, w_uk, w_uv, k_rope, scale=(dn + dr) ** -0.5,
         axis=self.mesh_axes.context, dtype=self.dtype, implementation=impl,
-        batch_axes=b_axes, head_axes=h_axes)
+        batch_axes=b_axes, head_axes=h_axes, segment_ids=segment_ids)
     return o.reshape(b, t, h * dv)
 
   def _cached_attention(self, x, q, c_kv, dense, new_sequence):

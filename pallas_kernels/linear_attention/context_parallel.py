@@ -41,6 +41,21 @@ inverse, is shared), plus O(K^2 V) per device for A_d S_in in the fold. The
 alternative (rerun the op with the true initial state after the exchange)
 costs the same 2x but serialises the exchange between two op calls.
 
+Packed documents (segment_ids [B, T], a document a run of equal ids, as in
+`ops.kda`). Each device's local op gets its slice of the ids and restarts
+from zero at every document start inside it. From the first local start t_0
+on, the state entering the device reaches neither the outputs nor the exit
+state: A_d = 0 (in a row with a local start) and the correction basis is
+zero for t >= t_0. For KDA this comes by itself: the reset zeroes the whole
+widened state, so P_t = 0 from t_0 on. For GLA, qp_t and diag(A) are
+masked from t_0 on. A document may also start exactly at a
+device's first token, which the device cannot see locally (the previous id
+is on the previous device): every device all_gathers its first and last id
+(2 ints per row) and the fold sets the state entering device d to
+    where(reset_d, 0, A_{d-1} S_in_{d-1} + S_{d-1}),
+reset_d = (first id of d != last id of d - 1); device 0 never resets, so the
+user's initial state belongs to the row's first document, as in `ops.kda`.
+
 Two shard_maps. Phase 1 (steps 1-2) is a pure map: every input and output
 is split over every manual axis, with check_vma=False because Pallas kernels
 (pallas_call) carry no varying-manual-axes types; a pure map's autodiff does
@@ -72,6 +87,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pallas_kernels.linear_attention import ops
+from pallas_kernels.linear_attention.common.naive import document_starts
 
 _F32 = jnp.float32
 _PREC = jax.lax.Precision.HIGHEST
@@ -184,34 +200,55 @@ def vary_like(x, ref):
 # ---------------------------------------------------------------------------
 
 
-def _fold_states(mats, adds, s0, *, diagonal: bool):
+def _fold_states(mats, adds, s0, resets=None, *, diagonal: bool):
   """States entering every device and the final state.
 
   Args:
     mats: [P, B, H, K] (diagonal A) or [P, B, H, K, K] gathered transitions.
     adds: [P, B, H, K, V] gathered local final states S_d.
     s0: [B, H, K, V] fp32 state entering device 0.
+    resets: None or bool [P, B]: a document starts at device d's first token
+      (row b), so the state entering device d is zero.
     diagonal: whether mats holds diag(A) only.
   Returns:
     s_in [P, B, H, K, V] (entering device d), s_final [B, H, K, V].
   """
   def step(s, xs):
-    a, add = xs
+    a, add, reset = xs
+    if reset is not None:
+      s = jnp.where(reset[:, None, None, None], 0.0, s)
     if diagonal:
       s_next = a[..., None] * s + add
     else:
       s_next = jnp.einsum("bhij,bhjv->bhiv", a, s, precision=_PREC) + add
     return s_next, s
 
-  s_final, s_in = jax.lax.scan(step, s0, (mats, adds))
+  s_final, s_in = jax.lax.scan(step, s0, (mats, adds, resets))
   return s_in, s_final
 
 
-def _exchange(mat, add, s0, axis, *, diagonal):
+def _device_starts(segment_ids, axis):
+  """bool [P, B]: whether a document starts at each device's first token.
+
+  Each device holds segment_ids [B, T_l] of its own tokens; it cannot see
+  its predecessor's last id, so the (first, last) ids of every device are
+  all_gathered (2 P B ints). Device 0 never resets: the initial state
+  belongs to the row's first document, as in ops.kda / ops.gla.
+  """
+  edges = jnp.stack([segment_ids[:, 0], segment_ids[:, -1]])      # [2, B]
+  edges = jax.lax.all_gather(edges, axis)                         # [P, 2, B]
+  first, last = edges[:, 0], edges[:, 1]
+  return jnp.concatenate([jnp.zeros_like(first[:1], bool),
+                          first[1:] != last[:-1]], axis=0)
+
+
+def _exchange(mat, add, s0, axis, segment_ids=None, *, diagonal):
   """This device's entering state and the global final state.
 
   all_gathers the per-device maps (A_d, S_d) over `axis` (O(P K (K + V))
-  numbers per batch and head) and folds them in device order from s0.
+  numbers per batch and head) and folds them in device order from s0; with
+  segment_ids the state entering a device whose first token starts a
+  document is zero.
 
   Every device computes the same final state, but all_gather's result is
   typed as varying over `axis`; a psum of the last device's copy (the others
@@ -220,7 +257,9 @@ def _exchange(mat, add, s0, axis, *, diagonal):
   """
   mats = jax.lax.all_gather(mat, axis)
   adds = jax.lax.all_gather(add, axis)
-  s_in, s_final = _fold_states(mats, adds, vary_like(s0, adds),
+  resets = (None if segment_ids is None
+            else _device_starts(segment_ids, axis))
+  s_in, s_final = _fold_states(mats, adds, vary_like(s0, adds), resets,
                                diagonal=diagonal)
   idx = jax.lax.axis_index(axis)
   s_in = jax.lax.dynamic_index_in_dim(s_in, idx, 0, keepdims=False)
@@ -234,26 +273,39 @@ def _exchange(mat, add, s0, axis, *, diagonal):
 # ---------------------------------------------------------------------------
 
 
-def _gla_local(q, k, v, g, *, scale, op_kw):
+def _gla_local(q, k, v, g, segment_ids=None, *, scale, op_kw):
   """Phase 1 (GLA): local op from a zero state, and the correction basis.
 
   Returns o_loc [B, Tl, H, V], qp = scale q exp(b) [B, Tl, H, K] fp32,
   diag(A) = exp(b_T) [1, B, H, K] and S_loc [1, B, H, K, V] (the leading 1 is
-  this device's slot of the per-device stack).
+  this device's slot of the per-device stack). With segment_ids [B, Tl] the
+  local op resets at every document start in the slice, and from the first
+  one on no token reads the entering state: qp and A are zero there.
   """
-  o, s_loc = ops.gla(q, k, v, g, scale=scale, initial_state=None, **op_kw)
+  o, s_loc = ops.gla(q, k, v, g, scale=scale, initial_state=None,
+                     segment_ids=segment_ids, **op_kw)
   b_cum = jnp.cumsum(g.astype(_F32), axis=1)                     # [B, Tl, H, K]
   qp = scale * q.astype(_F32) * jnp.exp(b_cum)
-  return o, qp, jnp.exp(b_cum[:, -1])[None], s_loc[None]
+  mat = jnp.exp(b_cum[:, -1])
+  if segment_ids is not None:
+    # 1 up to the first local document start, 0 from it on.
+    entering = (jnp.cumsum(document_starts(segment_ids), axis=1) == 0)
+    entering = entering.astype(_F32)                             # [B, Tl]
+    qp = qp * entering[:, :, None, None]
+    mat = mat * entering[:, -1, None, None]
+  return o, qp, mat[None], s_loc[None]
 
 
-def _kda_local(q, k, v, g, beta, *, scale, op_kw):
+def _kda_local(q, k, v, g, beta, segment_ids=None, *, scale, op_kw):
   """Phase 1 (KDA): one local op on [v | 0] from [0 | I].
 
   Returns o_loc [B, Tl, H, V], qp = scale P_t^T q_t [B, Tl, H, K],
   A = P_T [1, B, H, K, K] and S_loc [1, B, H, K, V]. o_loc and qp come back
   in v.dtype (the op's output dtype): with bf16 values the correction basis
-  is rounded to bf16 like the outputs themselves; states stay fp32.
+  is rounded to bf16 like the outputs themselves; states stay fp32. With
+  segment_ids [B, Tl] the op zeroes the whole widened state at each local
+  document start, so P_t (qp and A) vanish from the first one on by
+  themselves.
   """
   bsz, tl, h, dk = q.shape
   dv = v.shape[-1]
@@ -261,23 +313,26 @@ def _kda_local(q, k, v, g, beta, *, scale, op_kw):
   eye = jnp.broadcast_to(jnp.eye(dk, dtype=_F32), (bsz, h, dk, dk))
   s_aug0 = jnp.concatenate([jnp.zeros((bsz, h, dk, dv), _F32), eye], axis=-1)
   o_aug, s_aug = ops.kda(q, k, v_aug, g, beta, scale=scale,
-                         initial_state=s_aug0, **op_kw)
+                         initial_state=s_aug0, segment_ids=segment_ids,
+                         **op_kw)
   return (o_aug[..., :dv], o_aug[..., dv:], s_aug[..., dv:][None],
           s_aug[..., :dv][None])
 
 
-def _combine(o_loc, qp, mat, add, s0, *, axis, diagonal):
+def _combine(o_loc, qp, mat, add, s0, segment_ids, *, axis, diagonal):
   """Phase 2: exchange the maps, correct the outputs by the entering state.
 
   o_t += qp_t^T S_in (qp_t = scale P_t^T q_t, P_t the local transition up to
-  token t). Returns o [B, Tl, H, V] in o_loc.dtype and the final state.
+  token t). segment_ids: None or this device's [B, Tl] (document starts at
+  device boundaries). Returns o [B, Tl, H, V] in o_loc.dtype and the final
+  state.
   """
   bsz, _, h, dk = qp.shape
   dv = o_loc.shape[-1]
   if s0 is None:
     s0 = jnp.zeros((bsz, h, dk, dv), _F32)
   s_in, s_final = _exchange(mat[0], add[0], s0.astype(_F32), axis,
-                            diagonal=diagonal)
+                            segment_ids, diagonal=diagonal)
   corr = jnp.einsum("bthk,bhkv->bthv", qp.astype(_F32), s_in, precision=_PREC)
   return (o_loc.astype(_F32) + corr).astype(o_loc.dtype), s_final
 
@@ -289,10 +344,13 @@ def _combine(o_loc, qp, mat, add, s0, *, axis, diagonal):
 
 def _context_parallel(kind, q, k, v, g, beta, *, mesh, axis, scale,
                       initial_state, chunk_size, backend, g_min, batch_axes,
-                      head_axes, pallas_options=None):
+                      head_axes, pallas_options=None, segment_ids=None):
   # Global validation first (clear errors before any tracing of shard_map).
   # pylint: disable-next=protected-access
   g_min = ops._validate(q, k, v, g, beta, initial_state, chunk_size, g_min)
+  if segment_ids is not None and jnp.shape(segment_ids) != q.shape[:2]:
+    raise ValueError(f"{kind}_context_parallel: segment_ids must have shape "
+                     f"[B, T]={q.shape[:2]}, got {jnp.shape(segment_ids)}")
   mesh = resolve_mesh(mesh)
   sizes = _axis_sizes(mesh)
   if axis not in sizes:
@@ -306,7 +364,8 @@ def _context_parallel(kind, q, k, v, g, beta, *, mesh, axis, scale,
   if n_dev == 1:  # nothing to exchange: the plain op
     fn = ops.gla if kind == "gla" else ops.kda
     args = (q, k, v, g) if kind == "gla" else (q, k, v, g, beta)
-    return fn(*args, scale=scale, initial_state=initial_state, **op_kw)
+    return fn(*args, scale=scale, initial_state=initial_state,
+              segment_ids=segment_ids, **op_kw)
   if t % n_dev:
     raise ValueError(f"{kind}_context_parallel: sequence length T={t} is not "
                      f"divisible by the {axis!r} axis size {n_dev}")
@@ -317,6 +376,7 @@ def _context_parallel(kind, q, k, v, g, beta, *, mesh, axis, scale,
   manual = frozenset((axis,) + b_axes + h_axes)
   bs, hs = spec_entry(b_axes), spec_entry(h_axes)
   tok = P(bs, axis, hs, None)                   # [B, T, H, *]
+  ids = P(bs, axis)                             # segment ids [B, T]
   state = P(bs, hs, None, None)                 # initial / final state
   stacked = P(axis, bs, hs, None, None)         # per-device maps [P, B, H, ...]
 
@@ -331,7 +391,12 @@ def _context_parallel(kind, q, k, v, g, beta, *, mesh, axis, scale,
     local = functools.partial(_kda_local, scale=scale, op_kw=op_kw)
     args, specs = [q, k, v, g, beta], [tok] * 4 + [P(bs, axis, hs)]
     mat_spec = stacked
+  if segment_ids is not None:
+    args.append(segment_ids)
+    specs.append(ids)
   args = [reshard(x, s, mesh) for x, s in zip(args, specs)]
+  if segment_ids is not None:
+    segment_ids = args[-1]
   o_loc, qp, mat, add = jax.shard_map(
       local, mesh=mesh, in_specs=tuple(specs),
       out_specs=(tok, tok, mat_spec, stacked), axis_names=manual,
@@ -339,12 +404,19 @@ def _context_parallel(kind, q, k, v, g, beta, *, mesh, axis, scale,
 
   # Phase 2: exchange and correction (no kernels; vma-checked collectives).
   args, specs = [o_loc, qp, mat, add], [tok, tok, mat_spec, stacked]
+  extra = {}  # optional inputs, by keyword
   if initial_state is not None:
     args.append(reshard(initial_state, state, mesh))
     specs.append(state)
+    extra["s0"] = len(args) - 1
+  if segment_ids is not None:
+    args.append(segment_ids)
+    specs.append(ids)
+    extra["segment_ids"] = len(args) - 1
 
-  def combine(o_loc, qp, mat, add, s0=None):
-    return _combine(o_loc, qp, mat, add, s0, axis=axis,
+  def combine(*xs):
+    kw = {name: xs[i] for name, i in extra.items()}
+    return _combine(*xs[:4], kw.get("s0"), kw.get("segment_ids"), axis=axis,
                     diagonal=kind == "gla")
 
   return jax.shard_map(combine, mesh=mesh, in_specs=tuple(specs),
@@ -355,7 +427,8 @@ def gla_context_parallel(q, k, v, g, *, mesh=None, axis: str = "context",
                          scale: Optional[float] = None, initial_state=None,
                          chunk_size: int = 64, backend: str = "xla",
                          g_min: Optional[float] = None, batch_axes=None,
-                         head_axes=None, pallas_options=None):
+                         head_axes=None, pallas_options=None,
+                         segment_ids=None):
   """GLA with the sequence split over a mesh axis; equals `ops.gla`.
 
   Args:
@@ -369,6 +442,9 @@ def gla_context_parallel(q, k, v, g, *, mesh=None, axis: str = "context",
       state enters device 0).
     batch_axes, head_axes: mesh axes splitting B and H (str or tuple), None
       for the defaults (module docstring).
+    segment_ids: [B, T] int or None: packed documents, as in `ops.gla` (the
+      state restarts from zero at every document start, inside a device's
+      slice or at its first token; module docstring).
   Returns:
     o [B, T, H, V] in v.dtype, final state [B, H, K, V] fp32 (replicated
     over `axis`).
@@ -377,14 +453,15 @@ def gla_context_parallel(q, k, v, g, *, mesh=None, axis: str = "context",
       "gla", q, k, v, g, None, mesh=mesh, axis=axis, scale=scale,
       initial_state=initial_state, chunk_size=chunk_size, backend=backend,
       g_min=g_min, batch_axes=batch_axes, head_axes=head_axes,
-      pallas_options=pallas_options)
+      pallas_options=pallas_options, segment_ids=segment_ids)
 
 
 def kda_context_parallel(q, k, v, g, beta, *, mesh=None, axis: str = "context",
                          scale: Optional[float] = None, initial_state=None,
                          chunk_size: int = 64, backend: str = "xla",
                          g_min: Optional[float] = None, batch_axes=None,
-                         head_axes=None, pallas_options=None):
+                         head_axes=None, pallas_options=None,
+                         segment_ids=None):
   """KDA with the sequence split over a mesh axis; equals `ops.kda`.
 
   The local op runs on V + K value columns (module docstring: the extra K
@@ -394,7 +471,7 @@ def kda_context_parallel(q, k, v, g, beta, *, mesh=None, axis: str = "context",
     q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K] log decay <= 0;
       beta: [B, T, H]. T must be divisible by the axis size.
     mesh, axis, scale, initial_state, chunk_size, backend, g_min, batch_axes,
-      head_axes: as `gla_context_parallel`.
+      head_axes, segment_ids: as `gla_context_parallel`.
     pallas_options: as `ops.kda` (the local op gets them).
   Returns:
     o [B, T, H, V] in v.dtype, final state [B, H, K, V] fp32.
@@ -406,7 +483,7 @@ def kda_context_parallel(q, k, v, g, beta, *, mesh=None, axis: str = "context",
       "kda", q, k, v, g, beta, mesh=mesh, axis=axis, scale=scale,
       initial_state=initial_state, chunk_size=chunk_size, backend=backend,
       g_min=g_min, batch_axes=batch_axes, head_axes=head_axes,
-      pallas_options=pallas_options)
+      pallas_options=pallas_options, segment_ids=segment_ids)
 
 
 __all__ = ["gla_context_parallel", "kda_context_parallel", "choose_axes",

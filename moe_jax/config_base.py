@@ -81,7 +81,10 @@ def base_config() -> ml_collections.ConfigDict:
   mla.qk_rope_head_dim = 0      # 0 = NoPE (the default: KDA layers carry position)
   mla.v_head_dim = 32
   mla.rope_theta = 10000.0
-  mla.attention_impl = "auto"   # auto | xla | cudnn (jax.nn.dot_product_attention)
+  # auto | xla | cudnn (jax.nn.dot_product_attention) | pallas | interpret
+  # (the flash kernel with segment ids; "auto" takes it for packed documents
+  # on a GPU).
+  mla.attention_impl = "auto"
 
   moe = m.moe = ml_collections.ConfigDict()
   moe.num_experts = 16

@@ -136,7 +136,20 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         f"got {config.model.mla.qk_rope_head_dim}")
   _int_range(config, "model.mla.v_head_dim", 1)
   _float_range(config, "model.mla.rope_theta", 1.0)
-  _one_of(config, "model.mla.attention_impl", ("auto", "xla", "cudnn"))
+  _one_of(config, "model.mla.attention_impl",
+          ("auto", "xla", "cudnn", "pallas", "interpret"))
+  mla = config.model.mla
+  if mla.attention_impl in ("pallas", "interpret"):
+    # The flash kernel pads head dims to a power of two and takes up to 256
+    # (pallas_kernels/flash_attention.py, MAX_HEAD_WIDTH).
+    width = max(mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.v_head_dim)
+    if width > 256:
+      raise ConfigError(
+          f"model.mla.attention_impl={mla.attention_impl!r} needs "
+          "max(model.mla.qk_nope_head_dim + model.mla.qk_rope_head_dim, "
+          f"model.mla.v_head_dim) <= 256 (the flash kernel's widest tile), "
+          f"got {width}; allowed otherwise: attention_impl 'auto', 'xla' or "
+          "'cudnn'")
 
   # MoE and its balancing.
   _int_range(config, "model.moe.num_experts", 1)

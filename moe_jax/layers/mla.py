@@ -6,8 +6,22 @@ docs/design.md §5. Keys and values come from a small latent
   q_h = W_q_h x  (or W_uq_h rmsnorm(W_dq x) with q_lora_rank > 0)
 and an optional decoupled rotary part shared by all heads' keys
 (qk_rope_head_dim; 0 = pure NoPE, the default). The output is gated
-elementwise by sigmoid(W_gate x) before W_o. Training uses
-jax.nn.dot_product_attention (cuDNN flash on GPU, XLA on CPU).
+elementwise by sigmoid(W_gate x) before W_o.
+
+Which attention runs where (model.mla.attention_impl):
+- one sequence per row (no segment_ids): jax.nn.dot_product_attention, "auto"
+  letting JAX choose (cuDNN flash on a GPU, XLA on CPU);
+- packed documents (segment_ids): the mask is causal AND same document. On a
+  GPU, "auto" runs a Pallas flash kernel that reads the ids per tile
+  (pallas_kernels/flash_attention.py), so memory stays O(T); cuDNN is not
+  used here because its masked path is not verified for this mask. On CPU
+  "auto" (and "xla" / "cudnn" everywhere) runs XLA with a dense
+  [B, 1, T, T] mask, O(T^2) but simple;
+- "pallas" forces the flash kernel, packed or not ("interpret": the same
+  kernel in the Pallas interpreter, for CPU tests);
+- context parallel (T split over the mesh's context axis): always
+  dot_product_attention with a mask (context_attention.py); "pallas" and
+  "interpret" run there as "auto".
 
 Decoding (`decode=True`) caches only c_kv [B, T_max, r] (+ the rotary key
 [B, T_max, R]) and attends in the absorbed form: W_uk is folded into the
@@ -26,6 +40,13 @@ from moe_jax.layers import mesh_utils
 from moe_jax.layers.context_attention import context_parallel_latent_attention
 from moe_jax.layers.norms import RMSNorm
 from moe_jax.layers.param_axes import DEFAULT_KERNEL_INIT, with_axes
+from pallas_kernels.flash_attention import (MAX_HEAD_WIDTH, flash_attention,
+                                            supports_head_dims)
+
+# model.mla.attention_impl: "pallas" / "interpret" (the Pallas interpreter,
+# CPU tests) run the flash kernel; the others name (or, "auto", leave to JAX)
+# the implementation of jax.nn.dot_product_attention.
+ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas", "interpret")
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -72,9 +93,10 @@ class GatedMLA(nn.Module):
                segment_ids: jax.Array | None = None) -> jax.Array:
     """x: [B, T, D] -> [B, T, D].
 
-    segment_ids: optional [B, T] int, packed documents: a token attends only
-      to earlier tokens of its own document (causal AND same id), with the
-      XLA attention, also under context parallelism (not with decode).
+    segment_ids: optional [B, T] int >= 0, packed documents: a token attends
+      only to earlier tokens of its own document (causal AND same id), also
+      under context parallelism (not with decode); see the module docstring
+      for which attention runs it.
 
     decode: attend over the `cache` collection (make it mutable) after
       appending this call's T latents at its `index`; created with zeros and
@@ -148,7 +170,9 @@ class GatedMLA(nn.Module):
                           positions, self.rope_theta)[:, :, 0]
       q_rope = apply_rope(q[..., dn:], positions, self.rope_theta)
       q = jnp.concatenate([q[..., :dn], q_rope], axis=-1)
-    impl = None if self.attention_impl == "auto" else self.attention_impl
+    # The flash kernel is not context-parallel: its values run as "auto".
+    impl = (None if self.attention_impl in ("auto", "pallas", "interpret")
+            else self.attention_impl)
     if segment_ids is not None:
       impl = "xla"
     b_axes, h_axes = self.mesh_axes.split_axes(mesh_utils.resolve_mesh(), b,
@@ -220,8 +244,8 @@ class GatedMLA(nn.Module):
 
     k_rope: the rotated rotary key [B, T, 1, R] when already computed.
     segment_ids: [B, T] or None; with ids, a same-document mask on top of
-      the causal one, run by the XLA implementation (a dense [B, 1, T, T]
-      mask; the cuDNN path with a mask is not verified here).
+      the causal one: the flash kernel (per-tile ids) or XLA with a dense
+      [B, 1, T, T] mask, as `_resolved_impl` picks.
     """
     b, t, _ = x.shape
     h, dn, dr, dv = (self.num_heads, self.qk_nope_head_dim,
@@ -239,21 +263,53 @@ class GatedMLA(nn.Module):
       q = jnp.concatenate([q[..., :dn], q_rope], axis=-1)
       k = jnp.concatenate([k, jnp.broadcast_to(k_rope, (b, t, h, dr))], -1)
 
+    impl = self._resolved_impl(segment_ids is not None)
+    if impl in ("pallas", "interpret"):
+      o = flash_attention(q, k, v, segment_ids, scale=dqk ** -0.5,
+                          interpret=impl == "interpret")
+      return o.reshape(b, t, h * dv)
+
     # dot_product_attention wants one head dim for q, k and v: zero-pad to
     # the larger one (zeros add nothing to q.k and are sliced off the output).
     width = max(dqk, dv)
     pad = lambda a: jnp.pad(  # noqa: E731
         a, ((0, 0), (0, 0), (0, 0), (0, width - a.shape[-1])))
     q, k, vp = pad(q), pad(k), pad(v)
-    impl = None if self.attention_impl == "auto" else self.attention_impl
     mask = None
     if segment_ids is not None:
       mask = (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
-      impl = "xla"
     o = jax.nn.dot_product_attention(
         q, k, vp, mask=mask, is_causal=True, scale=dqk ** -0.5,
         implementation=impl)
     return o[..., :dv].reshape(b, t, h * dv)
+
+  def _resolved_impl(self, packed: bool) -> str | None:
+    """The attention that `_attention` runs: "pallas" | "interpret" (the
+    flash kernel), else the `implementation` of jax.nn.dot_product_attention
+    (None = its own choice: cuDNN on a GPU, XLA elsewhere).
+
+    "auto" with packed documents takes the flash kernel on a GPU when it
+    fits the head dims, else the XLA path with a dense same-document mask,
+    which is also what "xla" and "cudnn" run with packed documents.
+    """
+    impl = self.attention_impl
+    if impl not in ATTENTION_IMPLS:
+      raise ValueError(f"model.mla.attention_impl must be one of "
+                       f"{list(ATTENTION_IMPLS)}, got {impl!r}")
+    dqk, dv = self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim
+    fits = supports_head_dims(dqk, dv)
+    if impl in ("pallas", "interpret"):
+      if not fits:
+        raise ValueError(
+            f"model.mla.attention_impl={impl!r}: the flash kernel takes head "
+            f"widths up to {MAX_HEAD_WIDTH}, got q/k {dqk} and v {dv} "
+            "(padded to a power of two); use 'auto', 'xla' or 'cudnn'")
+      return impl
+    if packed:
+      if impl == "auto" and fits and jax.default_backend() == "gpu":
+        return "pallas"
+      return "xla"
+    return None if impl == "auto" else impl
 
 
 class _DenseKernel(nn.Module):

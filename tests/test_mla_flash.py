@@ -58,24 +58,41 @@ def test_padded_length():
   assert padded_length(256, 128, 32) == 256    # already a multiple: no pad
 
 
-def test_flash_attention_small_tiles_matches_dense():
-  """Tiles of 16 rows: 3 forward and 3 backward tiles over T=48."""
+def _rel_err(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_flash_attention_small_tiles_matches_dense(dtype):
+  """Tiles of 16 rows: 3 forward and 3 backward tiles over T=48. The
+  reference runs in fp32 on the same (rounded) inputs."""
   h, dqk, dv, scale = 2, 24, 20, 0.3
   keys = jax.random.split(jax.random.PRNGKey(0), 4)
-  q = jax.random.normal(keys[0], (B, T, h, dqk))
-  k = jax.random.normal(keys[1], (B, T, h, dqk))
-  v = jax.random.normal(keys[2], (B, T, h, dv))
+  q = jax.random.normal(keys[0], (B, T, h, dqk), dtype)
+  k = jax.random.normal(keys[1], (B, T, h, dqk), dtype)
+  v = jax.random.normal(keys[2], (B, T, h, dv), dtype)
   ct = jax.random.normal(keys[3], (B, T, h, dv))
   ids = _segment_ids()
 
   def loss(fn):
-    return jax.value_and_grad(lambda q, k, v: jnp.sum(fn(q, k, v) * ct),
-                              argnums=(0, 1, 2))
+    return jax.value_and_grad(
+        lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * ct),
+        argnums=(0, 1, 2))
   got = jax.jit(loss(lambda q, k, v: flash_attention(
       q, k, v, ids, scale=scale, interpret=True, block=16,
       backward_block=16)))(q, k, v)
-  want = loss(lambda q, k, v: _dense_attention(q, k, v, ids, scale))(q, k, v)
-  _assert_close(got, want, rtol=1e-4, atol=1e-5)
+  f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+  want = loss(lambda q, k, v: _dense_attention(q, k, v, ids, scale))(*f32)
+  if dtype == jnp.float32:
+    _assert_close(got, want, rtol=1e-4, atol=1e-5)
+  else:
+    o = flash_attention(q, k, v, ids, scale=scale, interpret=True, block=16,
+                        backward_block=16)
+    assert o.dtype == dtype
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      assert np.all(np.isfinite(np.asarray(g, np.float32))), "NaN or inf"
+      assert _rel_err(g, w) < 1e-2
 
 
 def test_flash_attention_rejects_bad_input():

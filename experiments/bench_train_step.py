@@ -23,6 +23,15 @@ is the card's dense bf16 rate (printed with the card's name).
       --out=/tmp/bench_step
   python -m experiments.bench_train_step --config=configs/gpu_small.py \
       --grouped_matmuls=pallas,ragged_dot --profile   # + top ops per row
+  # Packed documents: MLA's flash kernel with segment ids against the dense
+  # masked XLA path; then unpacked rows (cuDNN, and the kernel without ids).
+  python -m experiments.bench_train_step --config=configs/gpu_small.py \
+      --config.data.packing=documents --seq_lens=4096,16384 \
+      --attention=pallas,xla --backends=pallas --grouped_matmuls=pallas \
+      --out=/tmp/bench_packed
+  python -m experiments.bench_train_step --config=configs/gpu_small.py \
+      --seq_lens=4096,16384 --attention=cudnn,pallas --backends=pallas \
+      --grouped_matmuls=pallas --out=/tmp/bench_unpacked
 
 Writes OUT/rows.jsonl (one JSON row each, losses included), OUT/table.md,
 and with --profile OUT/<row>/ (a jax.profiler trace) and OUT/top_ops.md.
@@ -50,7 +59,8 @@ _TOKENS = flags.DEFINE_integer("tokens_per_step", 0, "Tokens per step; 0 = "
 _BACKENDS = flags.DEFINE_list("backends", ["pallas", "xla"],
                               "model.kda.backend values.")
 _ATTENTION = flags.DEFINE_list("attention", ["cudnn"],
-                               "model.mla.attention_impl values.")
+                               "model.mla.attention_impl values (auto, xla, "
+                               "cudnn, pallas).")
 _GMM = flags.DEFINE_list("grouped_matmuls", ["auto"],
                          "model.moe.grouped_matmul values.")
 _REMAT = flags.DEFINE_list("remat", [], "model.remat values; default the "

@@ -38,12 +38,14 @@ with warnings.catch_warnings():
   warnings.simplefilter("ignore", DeprecationWarning)
   from jax.experimental.pallas.ops.gpu import attention as _mha_lib
 
-# The widest padded head dim: tiles of 64 rows of q, k and v at width 256
-# (bf16, two pipeline stages) are the most one SM's shared memory holds.
+# The widest padded head dim. The forward kernel holds a q tile and, two
+# pipeline stages deep, k and v tiles in shared memory: 5 tiles of
+# _TILE_BYTES = 160 KiB of an H100 SM's 228 KiB. At width 256 that is 64 rows
+# in bf16, 32 in fp32; wider, the tiles would drop below 32 rows.
 MAX_HEAD_WIDTH = 256
 _MIN_HEAD_WIDTH = 16
-# Forward tile rows (q and k alike) per padded width, and backward tile rows.
-_FORWARD_BLOCK = {128: 128, 256: 64}
+_TILE_BYTES = 32 * 1024
+_MAX_FORWARD_BLOCK = 128
 _BACKWARD_BLOCK = 32
 
 
@@ -59,6 +61,12 @@ def head_width(*head_dims: int) -> int:
 def supports_head_dims(*head_dims: int) -> bool:
   """Whether the kernel takes these head dims (padded width <= 256)."""
   return head_width(*head_dims) <= MAX_HEAD_WIDTH
+
+
+def forward_block(width: int, itemsize: int) -> int:
+  """Forward tile rows (q and k alike): 128, or fewer so that one
+  [rows, width] tile stays within 32 KiB."""
+  return max(32, min(_MAX_FORWARD_BLOCK, _TILE_BYTES // (width * itemsize)))
 
 
 def _check_block(name: str, block: int) -> None:
@@ -83,9 +91,9 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array,
   """Causal attention, within documents when segment_ids is given.
 
   q, k: [B, T, H, Dqk]; v: [B, T, H, Dv]; segment_ids: [B, T] int >= 0 or
-  None. scale multiplies q.k. block: forward tile rows (default by width,
-  128 up to width 128, 64 above); backward_block: backward tile rows; both
-  powers of two. Returns o [B, T, H, Dv] in q.dtype.
+  None. scale multiplies q.k. block: forward tile rows (default
+  `forward_block`: 128 up to width 128 in bf16); backward_block: backward
+  tile rows; both powers of two. Returns o [B, T, H, Dv] in q.dtype.
   """
   b, t, h, dqk = q.shape
   dv = v.shape[-1]
@@ -101,7 +109,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     raise ValueError(
         f"flash_attention: head dims (q/k {dqk}, v {dv}) pad to width "
         f"{width}, above the kernel's {MAX_HEAD_WIDTH}")
-  block = _FORWARD_BLOCK[max(width, 128)] if block is None else block
+  if block is None:
+    block = forward_block(width, jnp.dtype(q.dtype).itemsize)
   _check_block("block", block)
   _check_block("backward_block", backward_block)
   tp = padded_length(t, block, backward_block)

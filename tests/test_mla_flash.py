@@ -18,7 +18,7 @@ from configs.default import get_config
 from moe_jax.config_validation import ConfigError, validate_config
 from moe_jax.layers.mla import GatedMLA
 from pallas_kernels.flash_attention import (MAX_HEAD_WIDTH, flash_attention,
-                                            padded_length)
+                                            forward_block, padded_length)
 
 B, D, T = 2, 16, 40  # T pads to 48 (tiles of 16) or 64 (the default tiles)
 # Per row, document lengths: one starts mid-tile (5), one ends the row with
@@ -50,7 +50,10 @@ def _assert_close(got, want, rtol, atol):
     np.testing.assert_allclose(g, w, rtol=rtol, atol=atol)
 
 
-def test_padded_length():
+def test_tile_sizes():
+  assert forward_block(128, 2) == 128          # bf16 up to width 128
+  assert forward_block(256, 2) == 64
+  assert forward_block(256, 4) == 32           # fp32, widest
   assert padded_length(40, 16, 16) == 48
   assert padded_length(40, 128, 32) == 64      # short T: next power of two
   assert padded_length(5, 128, 32) == 16

@@ -47,7 +47,10 @@ VARIANTS = {
     # The context curriculum 256 -> 1K -> 4K, 4096 tokens per step
     # (batches 16, 4, 1); the LR ramps up again over 10 steps per stage;
     # each stage ends with loss against position and passkey up to 4x.
+    # A tenth of the rows are passkey documents (a needle in corpus text),
+    # the skill whose length extrapolation the stage ends measure.
     "curriculum": setter(**{"data.seq_len": 256, "data.batch_size": 16,
+                            "data.retrieval_fraction": 0.1,
                             "curriculum.stages": "256:120,1024:40,4096:20",
                             "curriculum.stage_warmup_steps": 10,
                             "curriculum.stage_end_factor": 4,

@@ -128,6 +128,11 @@ def base_config() -> ml_collections.ConfigDict:
   # windows from document starts with segment_ids; the model keeps documents
   # apart (stdlib only; any mesh).
   d.packing = "concat"
+  # Probability that a training row is a synthetic retrieval document of the
+  # row's length instead of a corpus window (moe_jax/data/retrieval.py;
+  # stdlib only). 0: the corpus only, batches exactly as without the field.
+  d.retrieval_fraction = 0.0
+  d.retrieval_kinds = "passkey"  # comma-separated of: passkey, mqar
   # data.source='vision' (moe_jax/data/vision.py): image-text examples.
   dv = d.vision = ml_collections.ConfigDict()
   dv.source = "shapes"          # shapes (generated scenes) | folder

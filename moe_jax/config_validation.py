@@ -252,6 +252,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   # Context curriculum (its stages against data.* and train.steps).
   _one_of(config, "curriculum.constant_tokens", (True, False))
   stages_of(config)
+  validate_retrieval_config(config)
 
   # Device mesh (sizes against the device count: moe_jax.sharding.make_mesh).
   validate_mesh_config(config)
@@ -280,6 +281,41 @@ def validate_packing_config(config: ml_collections.ConfigDict) -> None:
     raise ConfigError("data.packing='documents' needs data.source='stdlib' "
                       "(its documents are the corpus's files), got "
                       f"{config.data.source!r}")
+
+
+# moe_jax.data.retrieval's kinds and the shortest data.seq_len of each (a
+# test keeps them equal, so that validation does not import the data package).
+RETRIEVAL_MIN_SEQ_LEN = {"passkey": 105, "mqar": 5}
+
+
+def validate_retrieval_config(config: ml_collections.ConfigDict) -> None:
+  """data.retrieval_fraction and data.retrieval_kinds, against every
+  curriculum stage's length (configs saved without them pass)."""
+  if "retrieval_fraction" not in config.data:
+    return
+  _float_range(config, "data.retrieval_fraction", 0.0, 1.0)
+  kinds = config.data.get("retrieval_kinds", "passkey")
+  parts = kinds.split(",") if isinstance(kinds, str) else []
+  if (not parts or len(set(parts)) != len(parts)
+      or any(k not in RETRIEVAL_MIN_SEQ_LEN for k in parts)):
+    raise ConfigError(
+        "data.retrieval_kinds must be a comma-separated list of distinct kinds "
+        f"of {list(RETRIEVAL_MIN_SEQ_LEN)}, got {kinds!r}")
+  if config.data.retrieval_fraction == 0:
+    return
+  if config.data.source != "stdlib":
+    raise ConfigError("data.retrieval_fraction > 0 needs data.source='stdlib' "
+                      f"(its documents are bytes), got {config.data.source!r}")
+  staged = bool(config.curriculum.stages.strip())
+  for stage in stages_of(config):
+    for kind in parts:
+      if stage.seq_len < RETRIEVAL_MIN_SEQ_LEN[kind]:
+        where = (f"curriculum.stages[{stage.index}] (seq_len {stage.seq_len})"
+                 if staged else f"data.seq_len={stage.seq_len}")
+        raise ConfigError(
+            f"{where} is too short for a {kind} retrieval document "
+            f"(data.retrieval_kinds={kinds!r}); allowed: seq_len >= "
+            f"{RETRIEVAL_MIN_SEQ_LEN[kind]} or data.retrieval_fraction=0")
 
 
 def validate_vision_config(config: ml_collections.ConfigDict) -> None:

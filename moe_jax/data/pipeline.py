@@ -15,6 +15,11 @@ window after window) and adds a per-token segment id: 0 at position 0, +1 at
 each document start (BOS) after it. The model then keeps documents apart
 (moe_jax/model.py); the window's last document may be cut at its end.
 
+Retrieval (`data.retrieval_fraction`, `data.retrieval_kinds`): each row of a
+batch is, with that probability, a synthetic retrieval document of the
+batch's length instead of its corpus window (moe_jax/data/retrieval.py); the
+other rows and the window starts are exactly those without retrieval.
+
 Ground floor: numpy and the standard library only (no jax, nothing of ours
 outside this package).
 """
@@ -24,6 +29,7 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
+from moe_jax.data import retrieval
 from moe_jax.data import stdlib_corpus
 from moe_jax.data import token_file
 
@@ -83,6 +89,14 @@ def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> Batch:
   return {"inputs": win[:, :-1], "targets": win[:, 1:]}
 
 
+def check_retrieval_fraction(fraction: Any) -> float:
+  if isinstance(fraction, bool) or not isinstance(
+      fraction, (int, float, np.floating)) or not 0.0 <= fraction <= 1.0:
+    raise ValueError(
+        f"data.retrieval_fraction must be a number in [0, 1], got {fraction!r}")
+  return float(fraction)
+
+
 def check_packing(packing: Any) -> str:
   if packing not in PACKINGS:
     raise ValueError(
@@ -133,12 +147,17 @@ class TokenBatcher:
     packing: "concat" | "documents" (module docstring).
     document_start_token: the id that starts every document (stdlib BOS);
       required with packing "documents".
+    retrieval_fraction: probability in [0, 1] that a row is a retrieval
+      document (0: the corpus windows only).
+    retrieval_kinds: kinds of retrieval.RETRIEVAL_KINDS drawn uniformly.
   """
 
   def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int,
                seed: int = 0, process_index: int = 0,
                process_count: int = 1, packing: str = "concat",
-               document_start_token: int | None = None):
+               document_start_token: int | None = None,
+               retrieval_fraction: float = 0.0,
+               retrieval_kinds: str | tuple[str, ...] = ("passkey",)):
     self.seq_len = _check_int("data.seq_len", seq_len, 1)
     self.batch_size = _check_int("data.batch_size", batch_size, 1)
     self.seed = _check_int("seed", seed, 0)
@@ -159,6 +178,16 @@ class TokenBatcher:
         raise ValueError(
             f"data.packing='documents': no document start leaves room for a "
             f"window of data.seq_len + 1 = {self.seq_len + 1} tokens")
+    self.retrieval_fraction = check_retrieval_fraction(retrieval_fraction)
+    self.retrieval_kinds = retrieval.parse_kinds(retrieval_kinds)
+    if self.retrieval_fraction > 0:
+      for kind in self.retrieval_kinds:
+        if self.seq_len < retrieval.min_seq_len(kind):
+          raise ValueError(
+              f"data.seq_len={self.seq_len} is too short for a {kind} "
+              f"retrieval document (data.retrieval_kinds); allowed: "
+              f"data.seq_len >= {retrieval.min_seq_len(kind)} or "
+              "data.retrieval_fraction=0")
     self._step = 0
 
   def global_starts(self, step: int) -> np.ndarray:
@@ -185,6 +214,14 @@ class TokenBatcher:
     lo = self.process_index * self.local_batch_size
     starts = self.global_starts(step)[lo:lo + self.local_batch_size]
     batch = _windows(self.tokens, starts, self.seq_len)
+    if self.retrieval_fraction > 0:
+      rows = retrieval.retrieval_rows(self.seed, step, self.batch_size,
+                                      self.retrieval_fraction)
+      for row in np.flatnonzero(rows[lo:lo + self.local_batch_size]):
+        doc = retrieval.retrieval_document(
+            self.tokens, self.seq_len + 1, self.retrieval_kinds, self.seed,
+            step, lo + row)["tokens"]
+        batch["inputs"][row], batch["targets"][row] = doc[:-1], doc[1:]
     if self.packing == "documents":
       batch["segment_ids"] = segment_ids_of(batch["inputs"],
                                             self.document_start_token)
@@ -363,6 +400,8 @@ def make_datasets(data_config: Any, process_index: int = 0,
     seed [0]: >= 0.
     packing ['concat']: 'concat' | 'documents' (stdlib only: documents are
       its files, each starting with BOS).
+    retrieval_fraction [0.0]: in [0, 1] (stdlib only; the documents are
+      bytes). retrieval_kinds ['passkey']: of retrieval.RETRIEVAL_KINDS.
 
   Args:
     data_config: the fields above.
@@ -389,6 +428,11 @@ def make_datasets(data_config: Any, process_index: int = 0,
   if packing == "documents" and source != "stdlib":
     raise ValueError(f"data.packing='documents' needs data.source='stdlib' "
                      f"(its documents are the corpus's files), got {source!r}")
+  retrieval_kwargs(data_config)  # Checked before the corpus loads.
+  if (_get(data_config, "retrieval_fraction", 0.0) or 0.0) > 0 and (
+      source != "stdlib"):
+    raise ValueError(f"data.retrieval_fraction > 0 needs data.source='stdlib' "
+                     f"(its documents are bytes), got {source!r}")
   _check_process(batch_size, process_index, process_count)
   val_fraction = _get(data_config, "val_fraction", 0.05)
   val_path = _get(data_config, "val_path", "") or None
@@ -428,7 +472,7 @@ def make_datasets(data_config: Any, process_index: int = 0,
           f"{seq_len + 1}; lower data.seq_len or {hint}")
   train = TokenBatcher(splits["train"], seq_len, batch_size, seed,
                        process_index, process_count,
-                       **packing_kwargs(data_config))
+                       **batcher_kwargs(data_config))
   return train, splits["val"], splits["train"], vocab_size
 
 
@@ -439,3 +483,20 @@ def packing_kwargs(data_config: Any) -> dict:
     return {}
   return {"packing": packing,
           "document_start_token": stdlib_corpus.BOS}
+
+
+def retrieval_kwargs(data_config: Any) -> dict:
+  """TokenBatcher's retrieval keywords for the `data` section of a config
+  (empty at retrieval_fraction 0, also for configs saved without it)."""
+  fraction = check_retrieval_fraction(
+      _get(data_config, "retrieval_fraction", 0.0))
+  kinds = retrieval.parse_kinds(_get(data_config, "retrieval_kinds",
+                                     "passkey"))
+  if fraction == 0.0:
+    return {}
+  return {"retrieval_fraction": fraction, "retrieval_kinds": kinds}
+
+
+def batcher_kwargs(data_config: Any) -> dict:
+  """All of TokenBatcher's keywords from a config: packing and retrieval."""
+  return {**packing_kwargs(data_config), **retrieval_kwargs(data_config)}

@@ -33,18 +33,20 @@ import numpy as np
 
 from moe_jax.balancing import STATS_COLLECTION
 from moe_jax.data import BOS
+# The needle, question and MQAR token ranges are those of the training
+# retrieval documents (data.retrieval_fraction); the filler is not.
+from moe_jax.data.retrieval import MQAR_KEYS
+from moe_jax.data.retrieval import MQAR_NOISE
+from moe_jax.data.retrieval import MQAR_VALUES
+from moe_jax.data.retrieval import PASSKEY_DIGITS
+from moe_jax.data.retrieval import PASSKEY_NEEDLE
+from moe_jax.data.retrieval import PASSKEY_QUESTION
+from moe_jax.data.retrieval import passkey_overhead
 from moe_jax.eval.step import token_cross_entropy
 
+# Held out: training's passkey documents hide the needle in corpus text.
 PASSKEY_FILLER = ("The grass is green. The sky is blue. The sun is yellow. "
                   "Here we go. There and back again. ")
-PASSKEY_NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key. "
-PASSKEY_QUESTION = " What is the pass key? The pass key is "
-PASSKEY_DIGITS = 5
-
-# MQAR token ranges (bytes): keys, values and noise are disjoint.
-MQAR_KEYS = range(65, 65 + 58)      # 'A'..'z' and between: 58 keys
-MQAR_VALUES = range(128, 256)       # 128 values
-MQAR_NOISE = range(32, 65)          # space, punctuation, digits
 
 # Scorer: (inputs int [B, T], targets int [B, T]) -> (ce fp32 [B, T] nats,
 # argmax int32 [B, T]).
@@ -147,14 +149,6 @@ def loss_by_position(scorer: Scorer, tokens: np.ndarray, train_len: int,
 
 
 # ----- passkey retrieval -----
-
-def passkey_overhead() -> int:
-  """Tokens of a passkey example besides the filler (BOS, needle, question,
-  answer)."""
-  key = "0" * PASSKEY_DIGITS
-  return 1 + len(PASSKEY_NEEDLE.format(key=key)) + len(PASSKEY_QUESTION) + \
-      PASSKEY_DIGITS
-
 
 def passkey_example(length: int, depth: float, seed: int, index: int = 0
                     ) -> dict:

@@ -35,6 +35,7 @@ from moe_jax.config_validation import (ConfigError, check_resume_config,
 from moe_jax.curriculum import Stage, stages_of, warmup_restarts
 from moe_jax.data import (TokenBatcher, eval_batches, make_datasets,
                           unigram_bits_per_byte)
+from moe_jax.data.pipeline import batcher_kwargs
 from moe_jax.data.pipeline import packing_kwargs
 from moe_jax.data.vision import VisionData
 from moe_jax.eval import long_context
@@ -198,7 +199,7 @@ def _check_stages_fit(config, stages: list[Stage], train_tokens, val_tokens,
              else f"data.seq_len={stage.seq_len}")
     try:
       TokenBatcher(train_tokens, stage.seq_len, stage.batch_size, config.seed,
-                   **process, **packing_kwargs(config.data))
+                   **process, **batcher_kwargs(config.data))
       eval_batches(val_tokens, stage.seq_len, stage.batch_size,
                    max_batches=1, **process)
     except ValueError as e:
@@ -412,7 +413,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
       train_iter = (vision.train if vision is not None else
                     TokenBatcher(train_tokens, stage.seq_len,
                                  stage.batch_size, config.seed, **process,
-                                 **packing_kwargs(config.data)))
+                                 **batcher_kwargs(config.data)))
       train_iter.set_state({"step": data_step})
       stage_rows = {"stage": stage.index, "seq_len": stage.seq_len}
       while step < stop:

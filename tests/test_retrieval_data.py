@@ -1,4 +1,4 @@
-"""Tests of moe_jax.data.retrieval: passkey / MQAR documents in training batches."""
+"""Tests of moe_jax.data.retrieval: passkey / MQAR rows in training batches."""
 import numpy as np
 import pytest
 
@@ -19,7 +19,8 @@ def train_tokens():
   rng = np.random.default_rng(0)
   parts = []
   while sum(p.size for p in parts) < 60_000:
-    body = rng.choice(np.frombuffer(b"abcdefgh ", np.uint8), rng.integers(50, 400))
+    body = rng.choice(np.frombuffer(b"abcdefgh ", np.uint8),
+                      rng.integers(50, 400))
     parts.append(np.concatenate([[BOS], body, [EOS]]).astype(np.uint16))
   return np.concatenate(parts)
 

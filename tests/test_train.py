@@ -150,7 +150,7 @@ def test_resume_matches_uninterrupted_run(smoke_run, tmp_path):
 def test_non_finite_loss_stops_and_names_the_last_checkpoint(
     smoke_run, tmp_path, monkeypatch):
   config, _, _ = smoke_run
-  workdir = str(tmp_path)
+  workdir = str(tmp_path / "fresh")
   real = loop.make_train_step
 
   def poisoned(*args, **kwargs):
@@ -166,7 +166,9 @@ def test_non_finite_loss_stops_and_names_the_last_checkpoint(
     with pytest.raises(loop.NonFiniteError,
                        match="at step 1; no checkpoint was written yet"):
       loop.train_and_evaluate(config, workdir)
-  loop.train_and_evaluate(config, workdir, stop_at_step=3)
+  # The smoke run cut at its step-3 checkpoint.
+  workdir = _copy_run(smoke_run, tmp_path)
+  shutil.rmtree(os.path.join(workdir, "checkpoints", "6"))
   monkeypatch.setattr(loop, "make_train_step", poisoned)
   with pytest.raises(loop.NonFiniteError,
                      match="at step 4; the last checkpoint is step 3 in "):

@@ -91,7 +91,6 @@ def _assert_tree_close(a, b, what, scaled_atol=False):
 
 
 @pytest.mark.parametrize("balancing,estimator,microbatches", [
-    ("qb", "exact", 2),
     ("qb", "exact", 4),     # the running merge of thresholds over > 2 passes
     ("qb", "histogram", 2),
     ("sign", "exact", 2),

@@ -9,6 +9,9 @@ router-state check would show a flip. Layers run as plain GSPMD-partitioned
 code here (no shard_map), so this is the reference the shard_map paths must
 also meet.
 """
+import logging
+import shutil
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -22,6 +25,7 @@ from moe_jax import sharding
 from moe_jax.config_validation import ConfigError, validate_config
 from moe_jax.model import build_model
 from moe_jax.train.checkpoint import Checkpointer, with_shardings
+from moe_jax.train.metrics import read_metrics
 from moe_jax.train.optimizer import make_optimizer, make_schedule
 from moe_jax.train.step import (abstract_train_state, init_train_state,
                                 make_train_step, train_state_shardings)
@@ -162,15 +166,18 @@ def test_microbatches_on_mesh_match_single_device(setup):
 
 
 @pytest.mark.slow
-def test_loop_resumes_on_another_mesh(tmp_path):
-  """train_and_evaluate: 2 steps on one mesh, resume on another, = 4 steps
-  uninterrupted on the second (loss, val loss)."""
+def test_loop_resumes_on_another_mesh(tmp_path, caplog):
+  """train_and_evaluate: 4 steps on one mesh (checkpoints at 2 and 4); the
+  step-2 checkpoint resumed on another mesh ends like those 4 steps (loss,
+  val loss)."""
   from moe_jax.train.loop import train_and_evaluate
 
   def config_on(sizes):
     config = load_config("default.py", "tiny,smoke")
     config.data.batch_size = 8
     config.train.steps = 4
+    config.train.checkpoint_every = 2
+    config.train.eval_every = 4
     config.train.eps = 1e-4  # see setup()
     config.mesh.num_devices = -1
     for axis, size in zip(AXES, sizes):
@@ -178,12 +185,17 @@ def test_loop_resumes_on_another_mesh(tmp_path):
     return config
 
   a, b = (2, 1, 2, 2, 1), (1, 2, 2, 2, 1)
-  first = train_and_evaluate(config_on(a), str(tmp_path / "r"),
-                             stop_at_step=2)
-  assert first["step"] == 2
-  resumed = train_and_evaluate(config_on(b), str(tmp_path / "r"))
-  straight = train_and_evaluate(config_on(b), str(tmp_path / "s"))
+  straight = train_and_evaluate(config_on(a), str(tmp_path / "s"))
+  shutil.copytree(tmp_path / "s", tmp_path / "r")
+  shutil.rmtree(tmp_path / "r" / "checkpoints" / "4")
+  with caplog.at_level(logging.INFO):
+    resumed = train_and_evaluate(config_on(b), str(tmp_path / "r"))
+  assert any(r.getMessage().startswith("Resumed from step 2")
+             for r in caplog.records)
   assert resumed["step"] == straight["step"] == 4
+  rows = [r for r in read_metrics(str(tmp_path / "r"))
+          if r["split"] == "router"]
+  assert [r["step"] for r in rows] == [1, 2, 3, 4]  # 3 and 4 rerun once
   for key in ("loss", "val_loss"):
     np.testing.assert_allclose(resumed[key], straight[key], rtol=1e-5)
 

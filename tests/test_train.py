@@ -150,7 +150,7 @@ def test_resume_matches_uninterrupted_run(smoke_run, tmp_path):
 def test_non_finite_loss_stops_and_names_the_last_checkpoint(
     smoke_run, tmp_path, monkeypatch):
   config, _, _ = smoke_run
-  workdir = str(tmp_path)
+  workdir = str(tmp_path / "fresh")
   real = loop.make_train_step
 
   def poisoned(*args, **kwargs):
@@ -166,7 +166,9 @@ def test_non_finite_loss_stops_and_names_the_last_checkpoint(
     with pytest.raises(loop.NonFiniteError,
                        match="at step 1; no checkpoint was written yet"):
       loop.train_and_evaluate(config, workdir)
-  loop.train_and_evaluate(config, workdir, stop_at_step=3)
+  # The smoke run cut at its step-3 checkpoint.
+  workdir = _copy_run(smoke_run, tmp_path)
+  shutil.rmtree(os.path.join(workdir, "checkpoints", "6"))
   monkeypatch.setattr(loop, "make_train_step", poisoned)
   with pytest.raises(loop.NonFiniteError,
                      match="at step 4; the last checkpoint is step 3 in "):
@@ -223,17 +225,14 @@ def test_no_checkpoint_restores_is_one_error_and_moves_nothing(
 
 
 def test_resume_with_other_d_model_is_a_short_error_and_changes_nothing(
-    tmp_path):
-  config = load_config("default.py", "tiny,smoke")
-  config.model.d_model = 64
-  workdir = str(tmp_path / "run")
-  loop.train_and_evaluate(config, workdir, stop_at_step=1)
+    smoke_run, tmp_path):
+  workdir = _copy_run(smoke_run, tmp_path)  # d_model 32
   before = _snapshot(workdir)
-  res = _train_cli("--config.model.d_model=128", f"--workdir={workdir}")
+  res = _train_cli("--config.model.d_model=64", f"--workdir={workdir}")
   assert res.returncode == 1, res.stderr[-2000:]
   error = res.stderr[res.stderr.index("error:"):]
   assert len(error.splitlines()) <= 4, error
-  assert "model.d_model: 64 -> 128" in error
+  assert "model.d_model: 32 -> 64" in error
   assert "Traceback" not in res.stderr and len(
       res.stderr.splitlines()) <= 8, res.stderr
   assert _snapshot(workdir) == before
@@ -288,8 +287,11 @@ def test_default_config_beats_unigram_baseline(tmp_path):
   """The README's main job, its first 200 of 300 steps (same schedule; the
   suite's time budget): val bits/byte <= 0.75 x unigram bits/byte, which
   the job passes from step 200 (0.61) on (0.58 at its end)."""
-  result = loop.train_and_evaluate(load_config("default.py"), str(tmp_path),
-                                   stop_at_step=200)
+  config = load_config("default.py")
+  # Evaluation and checkpoints leave the trained state alone: only the ones
+  # at step 200 (where the run stops) are needed.
+  config.train.eval_every = config.train.checkpoint_every = 200
+  result = loop.train_and_evaluate(config, str(tmp_path), stop_at_step=200)
   assert result["step"] == result["eval_step"] == 200
   assert np.isfinite(result["val_bpb"])
   assert result["val_bpb"] <= 0.75 * result["unigram_bpb"], result

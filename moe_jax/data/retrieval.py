@@ -106,6 +106,33 @@ def _filler(tokens: np.ndarray, n: int, rng: np.random.Generator
   return corpus_filler(tokens, start, n), start
 
 
+def _ids(text: str) -> np.ndarray:
+  return np.frombuffer(text.encode(), np.uint8).astype(np.int32)
+
+
+def passkey_tokens(filler: np.ndarray, cut: int, key: str) -> np.ndarray:
+  """int32: BOS, filler[:cut], the needle with `key`, filler[cut:], the
+  question, the key's digits (the layout of every passkey sequence; training
+  and evaluation differ only in their filler)."""
+  return np.concatenate([[BOS], filler[:cut],
+                         _ids(PASSKEY_NEEDLE.format(key=key)), filler[cut:],
+                         _ids(PASSKEY_QUESTION), _ids(key)]).astype(np.int32)
+
+
+def mqar_tokens(keys: np.ndarray, values: np.ndarray, order: np.ndarray,
+                middle: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """(int32 tokens, bool answer mask): BOS, each key followed by its value,
+  `middle`, then the keys again in `order`, each followed by its value (the
+  answers). The layout of every MQAR sequence; training and evaluation
+  differ only in their middle."""
+  kv = np.stack([keys, values], 1).ravel()
+  qv = np.stack([keys[order], values[order]], 1).ravel()
+  tokens = np.concatenate([[BOS], kv, middle, qv]).astype(np.int32)
+  mask = np.zeros(tokens.shape[0], bool)
+  mask[tokens.shape[0] - 2 * keys.shape[0] + 1::2] = True
+  return tokens, mask
+
+
 def passkey_document(tokens: np.ndarray, length: int,
                      rng: np.random.Generator) -> dict:
   """One passkey document of exactly `length` tokens.
@@ -130,10 +157,7 @@ def passkey_document(tokens: np.ndarray, length: int,
   key = "".join(str(d) for d in rng.integers(0, 10, PASSKEY_DIGITS))
   cut = int(rng.integers(0, n_filler + 1))  # uniform depth
   filler, start = _filler(tokens, n_filler, rng)
-  as_ids = lambda s: np.frombuffer(s.encode(), np.uint8).astype(np.int32)
-  doc = np.concatenate([[BOS], filler[:cut],
-                        as_ids(PASSKEY_NEEDLE.format(key=key)), filler[cut:],
-                        as_ids(PASSKEY_QUESTION), as_ids(key)]).astype(np.int32)
+  doc = passkey_tokens(filler, cut, key)
   assert doc.shape[0] == length, (doc.shape, length)
   return {"tokens": doc, "key": key, "needle_start": 1 + cut,
           "answer_start": length - PASSKEY_DIGITS, "filler_start": start,
@@ -161,11 +185,7 @@ def mqar_document(tokens: np.ndarray, length: int,
   values = rng.choice(np.asarray(MQAR_VALUES), num_pairs)
   order = rng.permutation(num_pairs)
   filler, start = _filler(tokens, length - 1 - 4 * num_pairs, rng)
-  kv = np.stack([keys, values], 1).ravel()
-  qv = np.stack([keys[order], values[order]], 1).ravel()
-  doc = np.concatenate([[BOS], kv, filler, qv]).astype(np.int32)
-  mask = np.zeros(length, bool)
-  mask[length - 2 * num_pairs + 1::2] = True
+  doc, mask = mqar_tokens(keys, values, order, filler)
   return {"tokens": doc, "answer_mask": mask,
           "pairs": dict(zip(keys.tolist(), values.tolist())),
           "filler_start": start}

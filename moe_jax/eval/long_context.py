@@ -32,16 +32,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_jax.balancing import STATS_COLLECTION
-from moe_jax.data import BOS
 # The needle, question and MQAR token ranges are those of the training
 # retrieval documents (data.retrieval_fraction); the filler is not.
 from moe_jax.data.retrieval import MQAR_KEYS
 from moe_jax.data.retrieval import MQAR_NOISE
 from moe_jax.data.retrieval import MQAR_VALUES
 from moe_jax.data.retrieval import PASSKEY_DIGITS
-from moe_jax.data.retrieval import PASSKEY_NEEDLE
-from moe_jax.data.retrieval import PASSKEY_QUESTION
+from moe_jax.data.retrieval import PASSKEY_NEEDLE  # noqa: F401 (public here too)
+from moe_jax.data.retrieval import PASSKEY_QUESTION  # noqa: F401
+from moe_jax.data.retrieval import mqar_tokens
 from moe_jax.data.retrieval import passkey_overhead
+from moe_jax.data.retrieval import passkey_tokens
 from moe_jax.eval.step import token_cross_entropy
 
 # Held out: training's passkey documents hide the needle in corpus text.
@@ -165,18 +166,16 @@ def passkey_example(length: int, depth: float, seed: int, index: int = 0
     raise ValueError(f"passkey depth must be in [0, 1], got {depth}")
   rng = _rng(seed, length, int(round(depth * 1e6)), index)
   key = "".join(str(d) for d in rng.integers(0, 10, PASSKEY_DIGITS))
-  needle = PASSKEY_NEEDLE.format(key=key).encode()
-  question = PASSKEY_QUESTION.encode()
   n_filler = length - passkey_overhead()
   if n_filler < 1:
     raise ValueError(f"passkey length {length} is too short: the needle, "
                      f"question and answer take {passkey_overhead()} tokens; "
                      f"allowed: lengths >= {passkey_overhead() + 1}")
   reps = -(-n_filler // len(PASSKEY_FILLER))
-  filler = (PASSKEY_FILLER * reps).encode()[:n_filler]
+  filler = np.frombuffer((PASSKEY_FILLER * reps).encode()[:n_filler],
+                         np.uint8).astype(np.int32)
   cut = int(round(depth * n_filler))
-  text = filler[:cut] + needle + filler[cut:] + question + key.encode()
-  tokens = np.asarray([BOS, *text], np.int32)
+  tokens = passkey_tokens(filler, cut, key)
   assert tokens.shape[0] == length, (tokens.shape, length)
   return {"tokens": tokens, "key": key, "needle_start": 1 + cut,
           "answer_start": length - PASSKEY_DIGITS}
@@ -254,11 +253,7 @@ def mqar_example(length: int, num_pairs: int, seed: int, index: int = 0
   values = rng.choice(np.asarray(MQAR_VALUES), num_pairs)
   queries = rng.permutation(num_pairs)
   noise = rng.choice(np.asarray(MQAR_NOISE), n_noise)
-  kv = np.stack([keys, values], 1).ravel()
-  qv = np.stack([keys[queries], values[queries]], 1).ravel()
-  tokens = np.concatenate([[BOS], kv, noise, qv]).astype(np.int32)
-  mask = np.zeros(length, bool)
-  mask[length - 2 * num_pairs + 1::2] = True
+  tokens, mask = mqar_tokens(keys, values, queries, noise)
   return {"tokens": tokens, "answer_mask": mask,
           "pairs": dict(zip(keys.tolist(), values.tolist()))}
 

@@ -10,6 +10,13 @@ def test_configs_validate(name):
   validate_config(load_config(name))
 
 
+@pytest.mark.parametrize("name,variant", [
+    ("gpu_small.py", "curriculum"), ("gpu_small.py", "ladder_short"),
+    ("gpu_1b.py", None), ("gpu_1b.py", "seq32k")])
+def test_gpu_config_variants_validate(name, variant):
+  validate_config(load_config(name, variant))
+
+
 @pytest.mark.parametrize("variant", [
     "standard_residual", "full_attn_res", "unbounded_decay", "all_kda",
     "all_mla", "qb", "qb_histogram", "extreme", "latent_experts", "sign", "aux", "no_balancing", "smoke", "sign,smoke"])

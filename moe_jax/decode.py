@@ -3,12 +3,13 @@
 The model's decode mode (HybridLM(..., decode=True), docs/design.md
 "Decoding") reads and updates a `cache` collection:
 
-  KDA layer  state [B, H, K, V] fp32 and, per short conv (q, k, v), its last
-             conv_size - 1 inputs [B, conv_size - 1, H * K]: constant in the
-             context length.
+  KDA layer  state [B, H, K, V] fp32, per short conv (q, k, v) its last
+             conv_size - 1 inputs [B, conv_size - 1, H * K] and the last
+             token's segment id [B] int32: constant in the context length.
   MLA layer  the latent c_kv [B, T_max, r] (+ the rotary key [B, T_max, R]
-             when qk_rope_head_dim > 0) and the write position `index`; the
-             attention is absorbed, so nothing is kept per head.
+             when qk_rope_head_dim > 0), the segment id of each position
+             [B, T_max] int32 and the write position `index`; the attention
+             is absorbed, so nothing is kept per head.
 
     cache = init_cache(model, params, router_state, batch, cache_size)
     logits, cache = prefill(model, params, router_state, cache, prompt)
@@ -19,6 +20,16 @@ A prefill runs the chunked KDA op from the cached state (zeros for a new
 sequence) and writes the prompt's latents; a step runs ops.kda_step and one
 more latent. Router biases are read from router_state; the router's
 training statistics are not emitted (router_stats is not mutable here).
+
+Packed documents (segment_ids, as in training with data.packing='documents'):
+prefill takes ids [B, P] and decode_step [B], and the rows' logits are the
+packed full forward's. A token whose id differs from the previous token's
+starts a document: KDA zeroes its state and conv inputs before it (a
+prefill leaves in the cache the state and conv inputs of its last document
+only), and MLA attends to cached positions of the token's own id. Each
+layer keeps its own ids (4 bytes per position per MLA layer, beside r (+ R)
+latent numbers), so a layer decodes alone. Without ids the tokens continue
+the cached document; a new sequence is one document.
 """
 from __future__ import annotations
 
@@ -56,7 +67,8 @@ def init_cache(model: nn.Module, params: PyTree, router_state: PyTree,
 
 def prefill(model: nn.Module, params: PyTree, router_state: PyTree,
             cache: PyTree, tokens: jax.Array, *, new_sequence: bool = False,
-            images: jax.Array | None = None) -> tuple[jax.Array, PyTree]:
+            images: jax.Array | None = None,
+            segment_ids: jax.Array | None = None) -> tuple[jax.Array, PyTree]:
   """Runs tokens [B, T] from the cache; (logits fp32 [B, T, V], cache).
 
   new_sequence: the tokens start a new sequence (the cache's contents are
@@ -64,8 +76,15 @@ def prefill(model: nn.Module, params: PyTree, router_state: PyTree,
   tokens instead of scoring them against all T_max cache slots.
   images: [B, N, H, W, C] for the image placeholders among the tokens
   (a model with model.vision.encoder set; see HybridLM).
+  segment_ids: int [B, T], the tokens' documents (see the module
+  docstring); None: they continue the cached document.
   """
   kwargs = {} if images is None else {"images": images}
+  if segment_ids is not None:
+    if segment_ids.shape != tokens.shape:
+      raise ValueError(f"segment_ids must have the tokens' shape "
+                       f"{tuple(tokens.shape)}, got {tuple(segment_ids.shape)}")
+    kwargs["segment_ids"] = segment_ids
   logits, mutated = model.apply(_variables(params, router_state, cache),
                                 tokens, decode=True, new_sequence=new_sequence,
                                 mutable=[CACHE], **kwargs)
@@ -73,9 +92,21 @@ def prefill(model: nn.Module, params: PyTree, router_state: PyTree,
 
 
 def decode_step(model: nn.Module, params: PyTree, router_state: PyTree,
-                cache: PyTree, token: jax.Array) -> tuple[jax.Array, PyTree]:
-  """One token per sequence: token int [B] -> (logits fp32 [B, V], cache)."""
-  logits, cache = prefill(model, params, router_state, cache, token[:, None])
+                cache: PyTree, token: jax.Array,
+                segment_ids: jax.Array | None = None
+                ) -> tuple[jax.Array, PyTree]:
+  """One token per sequence: token int [B] -> (logits fp32 [B, V], cache).
+
+  segment_ids: int [B], the token's document (an id other than the
+  previous token's starts a new one); None: the cached document goes on.
+  """
+  if segment_ids is not None:
+    if segment_ids.shape != token.shape:
+      raise ValueError(f"segment_ids must have the token's shape "
+                       f"{tuple(token.shape)}, got {tuple(segment_ids.shape)}")
+    segment_ids = segment_ids[:, None]
+  logits, cache = prefill(model, params, router_state, cache, token[:, None],
+                          segment_ids=segment_ids)
   return logits[:, 0], cache
 
 
@@ -166,13 +197,14 @@ def check_cache_size(prompt_len: int, max_new_tokens: int,
 @functools.partial(jax.jit, static_argnames=(
     "model", "max_new_tokens", "cache_size"))
 def _generate(model, params, router_state, prompt, rng, temperature, top_k,
-              top_p, images, *, max_new_tokens, cache_size):
+              top_p, images, segment_ids, *, max_new_tokens, cache_size):
   sample = functools.partial(sample_logits, temperature=temperature,
                              top_k=top_k, top_p=top_p)
   cache = init_cache(model, params, router_state, prompt.shape[0],
                      cache_size)
   logits, cache = prefill(model, params, router_state, cache, prompt,
-                          new_sequence=True, images=images)
+                          new_sequence=True, images=images,
+                          segment_ids=segment_ids)
   first = sample(logits[:, -1], jax.random.fold_in(rng, 0))
   out = jnp.zeros((prompt.shape[0], max_new_tokens), jnp.int32)
   out = out.at[:, 0].set(first)
@@ -192,7 +224,8 @@ def generate(model: nn.Module, params: PyTree, router_state: PyTree,
              prompt: jax.Array, max_new_tokens: int, rng: jax.Array, *,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              cache_size: int | None = None,
-             images: jax.Array | None = None) -> jax.Array:
+             images: jax.Array | None = None,
+             segment_ids: jax.Array | None = None) -> jax.Array:
   """Continues each prompt by max_new_tokens tokens (one jitted program).
 
   Args:
@@ -206,6 +239,8 @@ def generate(model: nn.Module, params: PyTree, router_state: PyTree,
     cache_size: T_max of the fixed-size cache; default P + N - 1.
     images: [B, N_img, H, W, C] placed at the prompt's image placeholders
       (model.vision.encoder set); None for text.
+    segment_ids: int [B, P], the prompt's packed documents (the new tokens
+      continue the last one); None: the prompt is one document.
   Returns:
     int32 [B, N]: the new tokens.
   """
@@ -218,8 +253,11 @@ def generate(model: nn.Module, params: PyTree, router_state: PyTree,
     cache_size = p + max_new_tokens - 1
   check_cache_size(p, max_new_tokens, cache_size)
   check_sampling(model.cfg.vocab_size, temperature, top_k, top_p)
+  if segment_ids is not None:
+    segment_ids = jnp.asarray(segment_ids, jnp.int32)
   # Traced: changing the sampling settings does not recompile.
   return _generate(model, params, router_state, prompt, rng,
                    jnp.float32(temperature), jnp.int32(top_k),
-                   jnp.float32(top_p), images, max_new_tokens=max_new_tokens,
+                   jnp.float32(top_p), images, segment_ids,
+                   max_new_tokens=max_new_tokens,
                    cache_size=cache_size)

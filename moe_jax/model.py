@@ -174,8 +174,11 @@ class HybridLM(nn.Module):
       of equal ids, data.packing='documents'): MLA attends within a
       document and KDA's short convs and state restart at each document
       start, so a packed row computes what each document alone would
-      (any model.kda.backend, with or without context parallelism; not
-      with decode).
+      (any model.kda.backend, with or without context parallelism). With
+      decode, the ids of these tokens: the cache keeps the ids it holds,
+      and a token whose id differs from the previous one's starts a new
+      document; None continues the cached document (a new sequence: one
+      document).
     """
     c = self.cfg
     dtype = _DTYPES[c.dtype]
@@ -202,7 +205,7 @@ class HybridLM(nn.Module):
       mixer = self._mixer(kind, i, decode)
       def apply_mixer(y, f=mixer):
         if decode:
-          return f(y, decode, new_sequence)
+          return f(y, decode, new_sequence, segment_ids)
         if segment_ids is not None:
           return f(y, segment_ids=segment_ids)
         return f(y)

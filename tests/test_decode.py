@@ -14,6 +14,14 @@ from moe_jax.model import build_model
 SEQ = 24      # total tokens of the test sequences
 PREFIX = 19   # prefill length: past one KDA chunk (16), not a multiple of it
 
+# Packed documents, one row each: (length, id) runs. Row 0: starts at a
+# chunk boundary, a one-token document, and a prefill ending 2 tokens into a
+# document (shorter than the conv tail, 3); row 1: a document starts at the
+# first step; row 2: a start mid-prefill and one in the steps. Ids need not
+# start at 0 (a new sequence ignores the cached ones).
+DOCUMENTS = ([(16, 0), (1, 1), (7, 2)], [(19, 4), (5, 5)],
+             [(5, 1), (16, 2), (3, 3)])
+
 
 # The other branches a decode must follow: standard residuals, low-rank
 # queries, a dense first layer, latent experts, unbounded decay.
@@ -59,25 +67,37 @@ def nope():
 
 
 def _forward(model):
-  return jax.jit(lambda p, s, t: model.apply(
-      {"params": p, "router_state": s}, t))
+  return jax.jit(lambda p, s, t, ids=None: model.apply(
+      {"params": p, "router_state": s}, t, segment_ids=ids))
 
 
-def _check_prefill_then_steps(model, params, router_state):
-  """Prefill of PREFIX tokens, then steps: the full forward's logits."""
-  tokens = jax.random.randint(jax.random.PRNGKey(1), (2, SEQ), 0, 256)
-  full = np.asarray(_forward(model)(params, router_state, tokens))
+def _packed_ids():
+  return jnp.asarray([np.repeat([i for _, i in row], [n for n, _ in row])
+                      for row in DOCUMENTS], jnp.int32)
 
-  cache = decode.init_cache(model, params, router_state, 2, SEQ)
-  step = jax.jit(lambda p, s, c, t: decode.decode_step(model, p, s, c, t))
+
+def _check_prefill_then_steps(model, params, router_state, segment_ids=None):
+  """Prefill of PREFIX tokens, then steps: the full forward's logits (with
+  segment_ids [B, SEQ]: the packed forward's, the ids given to each call)."""
+  b = 2 if segment_ids is None else segment_ids.shape[0]
+  ids = (lambda sl: None) if segment_ids is None else (  # noqa: E731
+      lambda sl: segment_ids[:, sl])
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (b, SEQ), 0, 256)
+  full = np.asarray(_forward(model)(params, router_state, tokens,
+                                    segment_ids))
+
+  cache = decode.init_cache(model, params, router_state, b, SEQ)
+  step = jax.jit(lambda p, s, c, t, i: decode.decode_step(
+      model, p, s, c, t, segment_ids=i))
   # A new sequence (as generate prefills) in a cache holding another one.
   cache = jax.tree.map(lambda c: c + 1, cache)
-  prefill = jax.jit(lambda p, s, c, t: decode.prefill(
-      model, p, s, c, t, new_sequence=True))
-  logits, cache = prefill(params, router_state, cache, tokens[:, :PREFIX])
+  prefill = jax.jit(lambda p, s, c, t, i: decode.prefill(
+      model, p, s, c, t, new_sequence=True, segment_ids=i))
+  logits, cache = prefill(params, router_state, cache, tokens[:, :PREFIX],
+                          ids(slice(0, PREFIX)))
   got = [np.asarray(logits)]
   for t in range(PREFIX, SEQ):
-    logits, cache = step(params, router_state, cache, tokens[:, t])
+    logits, cache = step(params, router_state, cache, tokens[:, t], ids(t))
     got.append(np.asarray(logits)[:, None])
   assert np.abs(full).max() > 1.0  # logits of a useful size for the atol
   np.testing.assert_allclose(np.concatenate(got, 1), full, rtol=0, atol=1e-4)
@@ -88,7 +108,9 @@ def _check_prefill_then_steps(model, params, router_state):
 
 
 def test_prefill_then_steps_match_full_forward(tiny):
-  _check_prefill_then_steps(*tiny)
+  """Packed rows (DOCUMENTS): documents start inside the prefill, at the
+  first step and inside the steps."""
+  _check_prefill_then_steps(*tiny, segment_ids=_packed_ids())
 
 
 def test_prefill_then_steps_through_the_pallas_kernels():
@@ -132,14 +154,17 @@ def test_cache_report_kda_constant_mla_latent_only(rope):
       assert short["shapes"]["state"] == (3, m.kda.num_heads, dk, dk)
       assert short["shapes"]["q_conv_tail"] == (3, m.kda.conv_size - 1,
                                                 m.d_model)
+      assert short["shapes"]["segment_id"] == (3,)
     else:
-      # Only the latent (+ the shared rotary key) and the write position.
+      # Only the latent (+ the shared rotary key), the positions' segment
+      # ids and the write position.
       width = m.mla.kv_lora_rank + rope
-      want = {"c_kv": (3, 1024, m.mla.kv_lora_rank), "index": ()}
+      want = {"c_kv": (3, 1024, m.mla.kv_lora_rank), "index": (),
+              "segment_ids": (3, 1024)}
       if rope:
         want["rope_key"] = (3, 1024, rope)
       assert long["shapes"] == want
-      assert long["bytes"] == 3 * 1024 * width * 4 + 4
+      assert long["bytes"] == 3 * 1024 * (width + 1) * 4 + 4
   assert [r["kind"] for r in reports[64]] == ["KDA", "MLA"]
 
 
@@ -238,7 +263,8 @@ def test_bench_decode_rows_hybrid_against_all_mla():
   hybrid, all_mla = rows
   assert hybrid["kda_cache_bytes"] > 0 and all_mla["kda_cache_bytes"] == 0
   r = load_config("default.py", "tiny,smoke").model.mla.kv_lora_rank
-  assert all_mla["mla_cache_bytes"] == 2 * (64 * r * 4 + 4)  # 2 MLA layers
+  # 2 MLA layers: latent and segment id per position, index.
+  assert all_mla["mla_cache_bytes"] == 2 * (64 * (r + 1) * 4 + 4)
   assert hybrid["mla_cache_bytes"] == all_mla["mla_cache_bytes"] // 2
   assert all(row["ms_per_token"] > 0 for row in rows)
   text = bench_decode.table(rows)

@@ -8,6 +8,8 @@ The data side: windows of data.packing='documents' start at document starts
 (or continue a long document) and carry the right segment ids; 'concat' is
 today's stream of random windows, unchanged.
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -338,11 +340,39 @@ def test_packing_errors():
   with pytest.raises(ValueError, match="data.source='stdlib'"):
     make_datasets({"source": "token_file", "path": "/tmp/x.bin",
                    "seq_len": 8, "batch_size": 2, "packing": "documents"})
-  # Decoding continues one sequence: the layers refuse segment ids there.
-  x, seg = jnp.zeros((1, 8, 32)), jnp.zeros((1, 8), jnp.int32)
-  for layer in (KDA(d_model=32, num_heads=2, backend="xla"),
-                GatedMLA(d_model=32, num_heads=2, kv_lora_rank=16,
-                         qk_nope_head_dim=16, v_head_dim=16)):
-    with pytest.raises(NotImplementedError, match="not supported with decode"):
-      jax.eval_shape(lambda l=layer: l.init(jax.random.PRNGKey(0), x,
-                                            decode=True, segment_ids=seg))
+
+
+def test_kda_decode_prefill_caches_the_last_document_only():
+  """A packed prefill continuing a cache (random state and conv tails)
+  leaves the cache a prefill of its last document alone would: that
+  document's state, conv inputs (here 2 tokens, fewer than the tail of 3:
+  the tail's first row must not come from the document before) and id.
+  Decoding the packed model against its forward: tests/test_decode.py."""
+  layer = KDA(d_model=32, num_heads=2, backend="xla", chunk_size=CHUNK)
+  x = jax.random.normal(jax.random.PRNGKey(8), (2, 12, 32))
+  seg = jnp.asarray([[3] * 10 + [4] * 2, [3] * 3 + [5] * 7 + [6] * 2],
+                    jnp.int32)
+  shapes = jax.eval_shape(lambda x: layer.init(jax.random.PRNGKey(9), x,
+                                               decode=True), x)
+  rng = np.random.default_rng(10)  # numpy values: no init to compile
+  params, stale = (jax.tree.map(lambda s: jnp.asarray(rng.standard_normal(
+      s.shape) / np.sqrt(s.shape[0]), s.dtype), shapes[c])
+                   for c in ("params", "cache"))
+  stale["segment_id"] = jnp.asarray([3, 3], jnp.int32)  # the first continues
+  def prefill(cache, x, ids, new_sequence):
+    _, mutated = layer.apply({"params": params, "cache": cache},
+                             x, decode=True, new_sequence=new_sequence,
+                             segment_ids=ids, mutable=["cache"])
+    return mutated["cache"]
+  packed = jax.jit(functools.partial(prefill, new_sequence=False))(
+      stale, x, seg)
+  alone = jax.jit(functools.partial(prefill, new_sequence=True))(
+      stale, x[:, -2:], seg[:, -2:])
+  assert set(packed) == {"state", "segment_id", "q_conv_tail",
+                         "k_conv_tail", "v_conv_tail"}
+  np.testing.assert_array_equal(packed["segment_id"], [4, 6])
+  np.testing.assert_array_equal(packed["q_conv_tail"][:, 0], 0)
+  for name in packed:
+    assert np.all(np.isfinite(packed[name])), name
+    np.testing.assert_allclose(packed[name], alone[name], rtol=1e-5,
+                               atol=1e-5, err_msg=name)

@@ -11,8 +11,10 @@ with a = exp(A_log) per head. The token mixing itself is the public op of
 pallas_kernels.linear_attention, so the Pallas kernels slot in by backend.
 
 Decoding (`decode=True`) keeps a `cache` collection per layer: the recurrent
-state [B, H, K, V] fp32 and the last conv_size - 1 inputs of each short conv;
-its size does not depend on the context length (moe_jax/decode.py).
+state [B, H, K, V] fp32, the last conv_size - 1 inputs of each short conv and
+the last token's segment id [B] int32 (a token of another id starts a new
+document: state and conv inputs restart from zero); its size does not depend
+on the context length (moe_jax/decode.py).
 """
 from __future__ import annotations
 
@@ -44,9 +46,12 @@ def causal_depthwise_conv(x: jax.Array, kernel: jax.Array,
     state: optional [B, W-1, C], the W-1 inputs before x (decoding); zeros
       when None (start of a sequence).
     segment_ids: optional [B, T] int (packed documents): a tap reads only
-      inputs of the current token's document (never across a start).
+      inputs of the current token's document (never across a start); the
+      `state` inputs count as the first token's document.
   Returns:
-    y [B, T, C] and the new state [B, W-1, C] (the last W-1 inputs).
+    y [B, T, C] and the new state [B, W-1, C]: the last W-1 inputs, with
+    segment_ids zeros in place of those before the last token's document
+    (a continuation must not read the previous document).
   """
   width = kernel.shape[0]
   b, _, c = x.shape
@@ -62,6 +67,8 @@ def causal_depthwise_conv(x: jax.Array, kernel: jax.Array,
                           segment_ids], axis=1)
     taps = [jnp.where((sp[:, j:j + t] == segment_ids)[..., None],
                       xp[:, j:j + t], 0) for j in range(width)]
+    # Read as the state of a continuation: inputs of the last document only.
+    xp = jnp.where((sp == segment_ids[:, -1:])[..., None], xp, 0)
   y = sum(tap * kernel[j].astype(x.dtype) for j, tap in enumerate(taps))
   return y, xp[:, xp.shape[1] - (width - 1):]
 
@@ -156,21 +163,34 @@ class KDA(nn.Module):
     segment_ids: optional [B, T] int, packed documents (a document is a run
       of equal ids): the short convs do not read across a document start
       and the recurrence restarts from zero at each one (every backend of
-      ops.kda, also under context parallelism; not with decode).
+      ops.kda, also under context parallelism, and decode).
 
     decode: continue from the `cache` collection (make it mutable) and
       update it: T > 1 (prefill) runs the chunked op from the cached state,
       T == 1 one recurrent step (ops.kda_step). The cache is created with
-      zeros when absent.
+      zeros when absent. With segment_ids, a first token whose id differs
+      from the cached last token's starts a new document (zero state and
+      conv inputs); None: the tokens continue the cached document.
     new_sequence (with decode): start from zeros, whatever the cache held.
     """
     b, t, _ = x.shape
     h = self.num_heads
     dk = self.d_model // h
     n_ctx = mesh_utils.axis_size(self.mesh_axes.context)
-    if segment_ids is not None and decode:
-      raise NotImplementedError(
-          "KDA: segment_ids (packed documents) are not supported with decode")
+    if decode:
+      last_id = self.variable("cache", "segment_id", jnp.zeros, (b,),
+                              jnp.int32)
+      # keep[b]: row b continues the cached document (state and conv tails).
+      if new_sequence:
+        keep = jnp.zeros((b,), bool)
+      elif segment_ids is None:
+        keep = jnp.ones((b,), bool)
+      else:
+        keep = segment_ids[:, 0] == last_id.value
+      if segment_ids is not None:
+        last_id.value = segment_ids[:, -1].astype(jnp.int32)
+      elif new_sequence:
+        last_id.value = jnp.zeros((b,), jnp.int32)
     def dense(n, name, axes, init=DEFAULT_KERNEL_INIT):
       return nn.Dense(n, use_bias=False, dtype=self.dtype,
                       param_dtype=self.param_dtype,
@@ -187,7 +207,8 @@ class KDA(nn.Module):
         tail = self.variable("cache", f"{name}_conv_tail", jnp.zeros,
                              (b, self.conv_size - 1, h * dk), proj.dtype)
         y, tail.value = causal_depthwise_conv(
-            proj, kernel, None if new_sequence else tail.value)
+            proj, kernel, jnp.where(keep[:, None, None], tail.value, 0),
+            segment_ids=segment_ids)
       else:
         y, _ = causal_depthwise_conv(proj, kernel, segment_ids=segment_ids)
       return jax.nn.silu(y).reshape(b, t, h, dk)
@@ -216,13 +237,16 @@ class KDA(nn.Module):
     if decode:
       state = self.variable("cache", "state", jnp.zeros, (b, h, dk, dk),
                             jnp.float32)
-      s0 = None if new_sequence else state.value
+      s0 = (None if new_sequence else
+            jnp.where(keep[:, None, None, None], state.value, 0))
       if t == 1 and s0 is not None:
         o, state.value = kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0],
                                   beta[:, 0], s0, backend=self.backend)
         o = o[:, None]
       else:
-        o, state.value = kda_op(q, k, v, g, beta, initial_state=s0, **op_kw)
+        # The final state is the row's last document's (ops.kda).
+        o, state.value = kda_op(q, k, v, g, beta, initial_state=s0,
+                                segment_ids=segment_ids, **op_kw)
     elif n_ctx > 1 and t % n_ctx == 0:
       # Sequence split over the context axis: local chunks + an exchange of
       # per-device [K, K] / [K, V] state transitions (context_parallel.py).

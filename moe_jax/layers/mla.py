@@ -27,6 +27,10 @@ Decoding (`decode=True`) caches only c_kv [B, T_max, r] (+ the rotary key
 [B, T_max, R]) and attends in the absorbed form: W_uk is folded into the
 query (q~_h = W_uk_h^T q_h, size r) and W_uv into the output
 (o_h = W_uv_h sum_s p_s c_s), so the cache is never expanded per head.
+Beside the latent, the segment id of every cached position [B, T_max] int32:
+a token attends to cached positions of its own document only, as the packed
+forward does. RoPE positions are the row's (0 at the start of the sequence,
+not of each document), in the forward and in decoding alike.
 """
 from __future__ import annotations
 
@@ -95,12 +99,14 @@ class GatedMLA(nn.Module):
 
     segment_ids: optional [B, T] int >= 0, packed documents: a token attends
       only to earlier tokens of its own document (causal AND same id), also
-      under context parallelism (not with decode); see the module docstring
+      under context parallelism and with decode; see the module docstring
       for which attention runs it.
 
     decode: attend over the `cache` collection (make it mutable) after
       appending this call's T latents at its `index`; created with zeros and
       T_max = T when absent (moe_jax/decode.py builds it for a given T_max).
+      With segment_ids, the tokens attend to cached positions of their own
+      id; None: they continue the document of the last cached position.
     new_sequence (with decode): the tokens start a new sequence at position
       0 of the cache, whatever it held.
     When the ambient mesh (jax.set_mesh) has the context axis of size > 1
@@ -131,11 +137,8 @@ class GatedMLA(nn.Module):
     c_kv = RMSNorm(self.norm_eps, name="kv_norm")(
         dense(self.kv_lora_rank, "kv_down", ("embed", None))(x))
     n_ctx = mesh_utils.axis_size(self.mesh_axes.context)
-    if segment_ids is not None and decode:
-      raise NotImplementedError(
-          "MLA: segment_ids (packed documents) are not supported with decode")
     if decode:
-      o = self._cached_attention(x, q, c_kv, dense, new_sequence)
+      o = self._cached_attention(x, q, c_kv, dense, new_sequence, segment_ids)
     elif n_ctx > 1 and t % n_ctx == 0:
       # Context parallel: gather the small latent, not the keys and values.
       o = self._context_attention(x, q, c_kv, dense, segment_ids)
@@ -183,13 +186,16 @@ class GatedMLA(nn.Module):
         batch_axes=b_axes, head_axes=h_axes, segment_ids=segment_ids)
     return o.reshape(b, t, h * dv)
 
-  def _cached_attention(self, x, q, c_kv, dense, new_sequence):
+  def _cached_attention(self, x, q, c_kv, dense, new_sequence,
+                        segment_ids=None):
     """Attention over the latent cache; o [B, T, H * Dv].
 
     The T new tokens are written at positions index .. index + T - 1 (0 ..
-    T - 1 for a new sequence) and token t attends to slots <= index + t, in
-    the absorbed form. A new sequence attends over its own tokens only, with
-    the training path (flash on GPU; no T x T_max scores).
+    T - 1 for a new sequence) with their segment ids (segment_ids [B, T];
+    None: the id at index - 1, or 0 for a new sequence), and token t
+    attends to slots <= index + t of its own id, in the absorbed form. A new
+    sequence attends over its own tokens only, with the training path
+    (flash on GPU; no T x T_max scores).
     """
     b, t, _ = x.shape
     h, dn, dr, dv = (self.num_heads, self.qk_nope_head_dim,
@@ -201,10 +207,20 @@ class GatedMLA(nn.Module):
     if t > t_max:
       raise ValueError(f"MLA decode: {t} tokens do not fit the latent cache "
                        f"of T_max={t_max} positions")
+    ids = self.variable("cache", "segment_ids", jnp.zeros, (b, t), jnp.int32)
     i = jnp.zeros((), jnp.int32) if new_sequence else index.value
     cache.value = jax.lax.dynamic_update_slice(
         cache.value, c_kv.astype(cache.value.dtype), (0, i, 0))
     index.value = i + t
+    if segment_ids is None:
+      # The tokens continue the last cached document.
+      last = (jnp.zeros((b, 1), jnp.int32) if new_sequence else
+              jax.lax.dynamic_slice_in_dim(ids.value, jnp.maximum(i - 1, 0),
+                                           1, axis=1))
+      new_ids = jnp.broadcast_to(last, (b, t))
+    else:
+      new_ids = segment_ids.astype(jnp.int32)
+    ids.value = jax.lax.dynamic_update_slice(ids.value, new_ids, (0, i))
     positions = i + jnp.arange(t)
     k_rope = None
     if dr > 0:
@@ -216,7 +232,7 @@ class GatedMLA(nn.Module):
           rope_cache.value, k_rope[:, :, 0].astype(rope_cache.value.dtype),
           (0, i, 0))
     if new_sequence:
-      return self._attention(x, q, c_kv, dense, k_rope)
+      return self._attention(x, q, c_kv, dense, k_rope, segment_ids)
 
     # Same params as the Dense up-projections of _attention, as matrices.
     w_uk = _DenseKernel(r, h * dn, self.param_dtype, name="k_up")().reshape(
@@ -232,8 +248,9 @@ class GatedMLA(nn.Module):
       scores = scores + jnp.einsum("bthd,bsd->bhts", q_rope, rope_cache.value,
                                    preferred_element_type=jnp.float32)
     scores = scores * (dn + dr) ** -0.5
-    visible = jnp.arange(t_max)[None, :] <= positions[:, None]
-    scores = jnp.where(visible[None, None], scores, -jnp.inf)
+    visible = ((jnp.arange(t_max)[None, None, :] <= positions[None, :, None])
+               & (ids.value[:, None, :] == new_ids[:, :, None]))  # [B,T,S]
+    scores = jnp.where(visible[:, None], scores, -jnp.inf)
     p = jax.nn.softmax(scores, axis=-1).astype(self.dtype)        # [B,H,T,S]
     ctx = jnp.einsum("bhts,bsr->bthr", p, c_all)                   # [B,T,H,r]
     o = jnp.einsum("bthr,rhv->bthv", ctx, w_uv)

@@ -197,14 +197,13 @@ def check_cache_size(prompt_len: int, max_new_tokens: int,
 @functools.partial(jax.jit, static_argnames=(
     "model", "max_new_tokens", "cache_size"))
 def _generate(model, params, router_state, prompt, rng, temperature, top_k,
-              top_p, images, segment_ids, *, max_new_tokens, cache_size):
+              top_p, images, *, max_new_tokens, cache_size):
   sample = functools.partial(sample_logits, temperature=temperature,
                              top_k=top_k, top_p=top_p)
   cache = init_cache(model, params, router_state, prompt.shape[0],
                      cache_size)
   logits, cache = prefill(model, params, router_state, cache, prompt,
-                          new_sequence=True, images=images,
-                          segment_ids=segment_ids)
+                          new_sequence=True, images=images)
   first = sample(logits[:, -1], jax.random.fold_in(rng, 0))
   out = jnp.zeros((prompt.shape[0], max_new_tokens), jnp.int32)
   out = out.at[:, 0].set(first)
@@ -224,8 +223,7 @@ def generate(model: nn.Module, params: PyTree, router_state: PyTree,
              prompt: jax.Array, max_new_tokens: int, rng: jax.Array, *,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              cache_size: int | None = None,
-             images: jax.Array | None = None,
-             segment_ids: jax.Array | None = None) -> jax.Array:
+             images: jax.Array | None = None) -> jax.Array:
   """Continues each prompt by max_new_tokens tokens (one jitted program).
 
   Args:
@@ -239,8 +237,6 @@ def generate(model: nn.Module, params: PyTree, router_state: PyTree,
     cache_size: T_max of the fixed-size cache; default P + N - 1.
     images: [B, N_img, H, W, C] placed at the prompt's image placeholders
       (model.vision.encoder set); None for text.
-    segment_ids: int [B, P], the prompt's packed documents (the new tokens
-      continue the last one); None: the prompt is one document.
   Returns:
     int32 [B, N]: the new tokens.
   """
@@ -253,11 +249,8 @@ def generate(model: nn.Module, params: PyTree, router_state: PyTree,
     cache_size = p + max_new_tokens - 1
   check_cache_size(p, max_new_tokens, cache_size)
   check_sampling(model.cfg.vocab_size, temperature, top_k, top_p)
-  if segment_ids is not None:
-    segment_ids = jnp.asarray(segment_ids, jnp.int32)
   # Traced: changing the sampling settings does not recompile.
   return _generate(model, params, router_state, prompt, rng,
                    jnp.float32(temperature), jnp.int32(top_k),
-                   jnp.float32(top_p), images, segment_ids,
-                   max_new_tokens=max_new_tokens,
+                   jnp.float32(top_p), images, max_new_tokens=max_new_tokens,
                    cache_size=cache_size)

@@ -115,20 +115,27 @@ def test_prefill_then_steps_match_full_forward(tiny):
 
 def test_prefill_then_steps_through_the_pallas_kernels():
   """The GPU path (chunked Pallas KDA for the prefill, the Pallas step),
-  interpreted on CPU."""
-  _check_prefill_then_steps(*_tiny(backend="interpret"))
+  interpreted on CPU, on the packed rows 1 and 2 (the kernels reset at
+  document starts; ids continue from the cache into the steps)."""
+  _check_prefill_then_steps(*_tiny(backend="interpret"),
+                            segment_ids=_packed_ids()[1:])
 
 
 def test_prefill_continues_from_a_cache(nope):
   """Two prefills continuing a cache (the first shorter than the conv tail,
-  the second scored against the latent cache) == one forward."""
+  the second scored against the latent cache) == one forward. The first
+  without ids (one document, id 0), the second packed: row 0 continues
+  document 0 and starts document 1 inside, row 1 starts document 1 at its
+  first token."""
   model, params, router_state = nope
   tokens = jax.random.randint(jax.random.PRNGKey(4), (2, PREFIX), 0, 256)
-  full = np.asarray(_forward(model)(params, router_state, tokens))
+  ids = jnp.asarray([[0] * 9 + [1] * 10, [0] * 2 + [1] * 17], jnp.int32)
+  full = np.asarray(_forward(model)(params, router_state, tokens, ids))
   cache = decode.init_cache(model, params, router_state, 2, SEQ)
-  prefill = jax.jit(lambda p, s, c, t: decode.prefill(model, p, s, c, t))
+  prefill = jax.jit(lambda p, s, c, t, i=None: decode.prefill(
+      model, p, s, c, t, segment_ids=i))
   a, cache = prefill(params, router_state, cache, tokens[:, :2])
-  b, _ = prefill(params, router_state, cache, tokens[:, 2:])
+  b, _ = prefill(params, router_state, cache, tokens[:, 2:], ids[:, 2:])
   np.testing.assert_allclose(np.concatenate([a, b], 1), full, rtol=0,
                              atol=1e-4)
 
@@ -234,6 +241,14 @@ def test_prompt_longer_than_the_cache_is_an_error(nope):
                      "cache of T_max=8"):
     jax.eval_shape(lambda: decode.prefill(model, params, router_state, cache,
                                           prompt))
+  with pytest.raises(ValueError, match=r"segment_ids must have the tokens' "
+                     r"shape \(1, 4\), got \(1, 3\)"):
+    decode.prefill(model, params, router_state, cache, prompt[:, :4],
+                   segment_ids=jnp.zeros((1, 3), jnp.int32))
+  with pytest.raises(ValueError, match=r"segment_ids must have the token's "
+                     r"shape \(1,\), got \(1, 1\)"):
+    decode.decode_step(model, params, router_state, cache, prompt[:, 0],
+                       segment_ids=jnp.zeros((1, 1), jnp.int32))
 
 
 def test_generate_script_restores_the_smoke_run(smoke_run):

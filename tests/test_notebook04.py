@@ -52,7 +52,7 @@ def test_long_context_notebook(tmp_path, monkeypatch):
     else:  # the latent grows with the context: 4x the positions
       assert long > 3 * short
   assert "KDA cache constant in context length: True" in text
-  assert "MLA cache entries: ['c_kv', 'index']" in text
+  assert "MLA cache entries: ['c_kv', 'index', 'segment_ids']" in text
   images = [o for c in nb.cells if c.cell_type == "code"
             for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
   # stages, stage ends, loss by position, passkey, MQAR

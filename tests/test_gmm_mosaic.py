@@ -1,0 +1,122 @@
+"""Mosaic GPU grouped matmul (grouped_matmul/mosaic.py) in the GPU interpreter.
+
+Against the masked-dense reference in fp32, bf16 operands. One tiny shape
+covers: M = 200 rows padded to 4 tiles of 64 (a partial last tile), a group
+spanning two tiles, a tile holding four groups, empty groups (leading,
+middle, trailing), 35 rows past the last group (zeros), two K steps and two
+column blocks. The interpreter fills fresh buffers with NaN, so a row the
+kernel leaves unwritten fails the finiteness check. The gradients (dx: the
+same kernel on w^T; dw: tgmm_mosaic) go through jax.grad of gmm's custom
+VJP. The Pallas -> Mosaic GPU lowering (wgmma shapes, swizzles, layout
+casts the 0.10 interpreter skips) is checked for cuda on the CPU.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.grouped_matmul import (Tuning, gmm, gmm_reference,
+                                           tgmm_reference)
+from pallas_kernels.grouped_matmul import mosaic
+from pallas_kernels.linear_attention.common.mosaic import gpu_interpreter
+
+M, K, N = 200, 128, 128
+SIZES = (0, 90, 3, 2, 40, 0, 30, 0)   # sum 165: rows 165..199 in no group
+TUNE = Tuning(kernel="mosaic", block_m=64, block_n=64, tgmm_block_k=64,
+              tgmm_block_n=64, mosaic_steps=2)
+TOL = 1e-2   # bf16 operands, fp32 accumulation, bf16 result
+
+
+def _rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  assert np.all(np.isfinite(a)), "non-finite output"
+  return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+@pytest.fixture(scope="module")
+def operands():
+  kx, kw, kc = jax.random.split(jax.random.PRNGKey(5), 3)
+  return dict(
+      x=jax.random.normal(kx, (M, K), jnp.bfloat16),
+      w=(K**-0.5 * jax.random.normal(kw, (len(SIZES), K, N))).astype(
+          jnp.bfloat16),
+      ct=jax.random.normal(kc, (M, N), jnp.float32),
+      sizes=jnp.asarray(SIZES, jnp.int32))
+
+
+def _f32(a):
+  return a.astype(jnp.float32)
+
+
+def test_gmm_mosaic_values_and_grads_match_reference(operands):
+  x, w, ct, sizes = (operands[k] for k in ("x", "w", "ct", "sizes"))
+  out = gmm(x, w, sizes, tuning=TUNE, interpret=True)
+  assert out.shape == (M, N) and out.dtype == jnp.bfloat16
+  assert _rel(out, gmm_reference(_f32(x), _f32(w), sizes)) < TOL
+  np.testing.assert_array_equal(np.asarray(_f32(out[sum(SIZES):])), 0)
+
+  def loss(fn):
+    return lambda x, w: jnp.sum(_f32(fn(x, w, sizes)) * ct)
+
+  ours = functools.partial(gmm, tuning=TUNE, interpret=True)
+  dx, dw = jax.grad(loss(ours), (0, 1))(x, w)
+  dx_ref, dw_ref = jax.grad(loss(gmm_reference), (0, 1))(_f32(x), _f32(w))
+  assert dx.dtype == dw.dtype == jnp.bfloat16
+  assert _rel(dx, dx_ref) < TOL
+  assert _rel(dw, dw_ref) < TOL
+  # Rows in no group get no gradient; empty groups a zero one.
+  np.testing.assert_array_equal(np.asarray(_f32(dx[sum(SIZES):])), 0)
+  for g in (0, 5, 7):
+    np.testing.assert_array_equal(np.asarray(_f32(dw[g])), 0)
+
+
+def test_tgmm_mosaic_matches_reference_in_fp32(operands):
+  x, ct, sizes = operands["x"], operands["ct"], operands["sizes"]
+  dy = ct.astype(jnp.bfloat16)
+  out = mosaic.tgmm_mosaic(x, dy, sizes, tuning=TUNE, interpret=True)
+  assert out.shape == (len(SIZES), K, N) and out.dtype == jnp.float32
+  # Same bf16 operands, fp32 sums: only the order of the sums differs.
+  assert _rel(out, tgmm_reference(x, dy, sizes)) < 1e-5
+
+
+def test_no_races_in_the_gpu_interpreter(operands):
+  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call  # pylint: disable=g-import-not-at-top
+  x, w, sizes = operands["x"], operands["w"], operands["sizes"]
+  jax.block_until_ready(mosaic.gmm_mosaic(
+      x, w, sizes, tuning=TUNE, interpret=gpu_interpreter(detect_races=True)))
+  assert not interpret_pallas_call.get_races().races_found
+
+
+@pytest.mark.parametrize("blocks", [(64, 64), (128, 128)])
+def test_kernels_lower_for_cuda(operands, blocks):
+  bm, bn = blocks
+  tune = Tuning(kernel="mosaic", block_m=bm, block_n=bn, tgmm_block_k=bm,
+                tgmm_block_n=bn)
+  x, w, sizes = operands["x"], operands["w"], operands["sizes"]
+  fwd = functools.partial(mosaic.gmm_mosaic, tuning=tune)
+  wgt = functools.partial(mosaic.tgmm_mosaic, tuning=tune)
+  for name, fn, args in (("gmm_mosaic", fwd, (x, w, sizes)),
+                         ("tgmm_mosaic", wgt, (x, x[:, :N], sizes))):
+    text = jax.jit(fn).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and name in text
+
+
+@pytest.mark.parametrize("x_shape,dtype,tune,match", [
+    ((8, 128), jnp.float32, TUNE, "bfloat16 only"),
+    ((8, 96), jnp.bfloat16, TUNE, "K a multiple of 64, got K=96"),
+    ((8, 128), jnp.bfloat16, Tuning(kernel="mosaic", block_m=32),
+     r"Tuning.block_m in \(64, 128, 256\), got 32"),
+])
+def test_mosaic_limits_are_named(x_shape, dtype, tune, match):
+  x = jnp.zeros(x_shape, dtype)
+  w = jnp.zeros((3, x_shape[1], 64), dtype)
+  with pytest.raises(ValueError, match=match):
+    gmm(x, w, jnp.zeros((3,), jnp.int32), tuning=tune, interpret=True)
+
+
+def test_tuning_rejects_unknown_kernel():
+  with pytest.raises(ValueError, match="Tuning.kernel must be one of"):
+    Tuning(kernel="cutlass")

@@ -7,8 +7,9 @@ middle, trailing), 35 rows past the last group (zeros), two K steps and two
 column blocks. The interpreter fills fresh buffers with NaN, so a row the
 kernel leaves unwritten fails the finiteness check. The gradients (dx: the
 same kernel on w^T; dw: tgmm_mosaic) go through jax.grad of gmm's custom
-VJP. The Pallas -> Mosaic GPU lowering (wgmma shapes, swizzles, layout
-casts the 0.10 interpreter skips) is checked for cuda on the CPU.
+VJP. Everything runs in jax 0.10's GPU interpreter (it skips the layout
+casts, which it does not model); the Pallas -> Mosaic GPU lowering is
+checked for cuda on the CPU, at this shape and gpu_1b's.
 """
 import functools
 
@@ -16,7 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import load_config, set_field
 
+from moe_jax.config_validation import ConfigError, validate_config
 from pallas_kernels.grouped_matmul import (Tuning, gmm, gmm_reference,
                                            tgmm_reference)
 from pallas_kernels.grouped_matmul import mosaic
@@ -82,25 +85,32 @@ def test_tgmm_mosaic_matches_reference_in_fp32(operands):
 
 
 def test_no_races_in_the_gpu_interpreter(operands):
-  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call  # pylint: disable=g-import-not-at-top
+  from jax._src.pallas.mosaic_gpu.interpret import (  # noqa: PLC0415
+      interpret_pallas_call)
   x, w, sizes = operands["x"], operands["w"], operands["sizes"]
   jax.block_until_ready(mosaic.gmm_mosaic(
       x, w, sizes, tuning=TUNE, interpret=gpu_interpreter(detect_races=True)))
   assert not interpret_pallas_call.get_races().races_found
 
 
-@pytest.mark.parametrize("blocks", [(64, 64), (128, 128)])
-def test_kernels_lower_for_cuda(operands, blocks):
-  bm, bn = blocks
-  tune = Tuning(kernel="mosaic", block_m=bm, block_n=bn, tgmm_block_k=bm,
-                tgmm_block_n=bn)
-  x, w, sizes = operands["x"], operands["w"], operands["sizes"]
-  fwd = functools.partial(mosaic.gmm_mosaic, tuning=tune)
-  wgt = functools.partial(mosaic.tgmm_mosaic, tuning=tune)
-  for name, fn, args in (("gmm_mosaic", fwd, (x, w, sizes)),
-                         ("tgmm_mosaic", wgt, (x, x[:, :N], sizes))):
-    text = jax.jit(fn).trace(*args).lower(
-        lowering_platforms=("cuda",)).as_text()
+@pytest.mark.parametrize("tune,k,n", [
+    (TUNE, K, N),
+    (Tuning(kernel="mosaic"), 1024, 768),   # gpu_1b's gate/up product
+    (Tuning(kernel="mosaic"), 384, 1024),   # and its down product
+])
+def test_kernels_lower_for_cuda(tune, k, n):
+  # The Pallas -> Mosaic GPU lowering (wgmma shapes and swizzles, layout
+  # casts, TMA slices, shared memory within the limit) runs on the CPU;
+  # compiling the module to a cubin needs a card.
+  spec = jax.ShapeDtypeStruct
+  sizes = spec((len(SIZES),), jnp.int32)
+  for name, fn, args in (
+      ("gmm_mosaic", mosaic.gmm_mosaic,
+       (spec((M, k), jnp.bfloat16), spec((len(SIZES), k, n), jnp.bfloat16))),
+      ("tgmm_mosaic", mosaic.tgmm_mosaic,
+       (spec((M, k), jnp.bfloat16), spec((M, n), jnp.bfloat16)))):
+    text = jax.jit(functools.partial(fn, tuning=tune)).trace(
+        *args, sizes).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text and name in text
 
 
@@ -120,3 +130,18 @@ def test_mosaic_limits_are_named(x_shape, dtype, tune, match):
 def test_tuning_rejects_unknown_kernel():
   with pytest.raises(ValueError, match="Tuning.kernel must be one of"):
     Tuning(kernel="cutlass")
+
+
+@pytest.mark.parametrize("fields,match", [
+    ({"model.moe.d_expert": 96}, r"model.moe.d_expert a multiple of 64, "
+     "got 96"),
+    ({"model.moe.d_expert": 64, "model.d_model": 64,
+      "model.dtype": "float32"}, "needs model.dtype='bfloat16'"),
+])
+def test_config_rejects_mosaic_where_it_cannot_run(fields, match):
+  config = load_config("default.py", "tiny,smoke")
+  set_field(config, "model.moe.grouped_matmul", "mosaic")
+  for field, value in fields.items():
+    set_field(config, field, value)
+  with pytest.raises(ConfigError, match=match):
+    validate_config(config)

@@ -67,9 +67,13 @@ class Tuning:
     the gpu_small and the gpu_1b shapes) or "tiles" (see the module
     docstring; faster at the gpu_small shape on an H100, results/train_step.md).
   kernel: "triton" (the kernels of this module) or "mosaic" (mosaic.py:
-    wgmma + TMA; bf16 only). With "mosaic", block_m and block_n are the
-    wgmma tile (each 64, 128 or 256), mosaic_steps the K blocks in flight,
-    and schedule is unused.
+    wgmma + TMA; bf16 only). With "mosaic", block_m x block_n and
+    tgmm_block_k x tgmm_block_n are the accumulator tiles (each 64, 128 or
+    256, at most 128 x 128 elements), block_m also tgmm's rows per step,
+    mosaic_steps the pipeline's blocks in flight; block_k, the warps,
+    stages and schedule are unused.
+  mosaic_steps: TMA blocks in flight in the Mosaic kernels (lowered to fit
+    shared memory; at least 2).
   """
   block_m: int = 128
   block_n: int = 128

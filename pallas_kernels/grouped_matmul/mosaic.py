@@ -23,19 +23,22 @@ blocks. The kernel is persistent: one program per SM
 The work is at most M / block_m + E visits (an empty group in the middle of
 a tile costs a no-op item) times N / block_n.
 
-tgmm_mosaic runs one program per (group, K block, N block) output block
-[block_k, block_n] and loops over the row tiles of its group. wgmma needs
+tgmm_mosaic is persistent the same way over (group, K block, N block)
+items, each an output block [tgmm_block_k, tgmm_block_n] accumulated over
+the row tiles of its group (a pipeline of block_m rows per step; an empty
+group stores zeros). wgmma needs
 x[rows]^T: the caller's x is transposed by XLA first ([K, M], both
 operands then plain), and in the first and last tile of a group the
 columns (rows of x) of other groups are zeroed in shared memory before the
 product.
 
-Limits: bf16 operands only (wgmma on fp32 is TF32; fp32 callers keep the
-Triton kernels), K and N multiples of 64 (the 128-byte swizzle of a
-64-wide bf16 block), block_m in {64, 128, 256} (the wgmma M of the
-forward; the contraction of tgmm), block_n in {64, 128, 256}.
-Rows M are padded to a multiple of block_m so that every TMA read is in
-bounds.
+Limits (`check_mosaic`): bf16 x (wgmma on fp32 is TF32; fp32 callers
+keep the Triton kernels), K and N multiples of 64 (the 128-byte swizzle of
+a 64-wide bf16 block), block_m, block_n, tgmm_block_k, tgmm_block_n in
+{64, 128, 256} with each accumulator ([block_m, block_n] and [tgmm_block_k,
+tgmm_block_n]) at most 128 x 128 (one warpgroup holds it: 128 fp32
+registers per thread). Rows M are padded to a multiple of block_m so that
+every TMA read is in bounds.
 """
 from __future__ import annotations
 
@@ -60,6 +63,7 @@ _BF16 = jnp.bfloat16
 _MIN_DIM = 64         # K, N: multiples of one 128-byte swizzled bf16 block
 _BLOCK_K = 64         # the contraction step: 64 bf16 = one 128-byte row
 _WGMMA_BLOCKS = (64, 128, 256)
+_MAX_ACC = 128 * 128  # accumulator elements: 128 fp32 registers per thread
 _INTERPRET_SMS = 4    # persistent programs in the interpreter (no card)
 
 
@@ -96,6 +100,12 @@ def check_mosaic(dtype, k: int, n: int, tune: Tuning, what: str = "gmm"):
     if getattr(tune, name) not in _WGMMA_BLOCKS:
       raise ValueError(f"{me} needs Tuning.{name} in {_WGMMA_BLOCKS}, got "
                        f"{getattr(tune, name)}")
+  for a, b in (("block_m", "block_n"), ("tgmm_block_k", "tgmm_block_n")):
+    if getattr(tune, a) * getattr(tune, b) > _MAX_ACC:
+      raise ValueError(
+          f"{me} needs Tuning.{a} x Tuning.{b} <= {_MAX_ACC} (the fp32 "
+          f"accumulator of one warpgroup), got {getattr(tune, a)} x "
+          f"{getattr(tune, b)}")
 
 
 def _steps(tune: Tuning, per_step: int, fixed: int, what: str) -> int:

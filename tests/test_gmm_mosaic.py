@@ -7,9 +7,11 @@ middle, trailing), 35 rows past the last group (zeros), two K steps and two
 column blocks. The interpreter fills fresh buffers with NaN, so a row the
 kernel leaves unwritten fails the finiteness check. The gradients (dx: the
 same kernel on w^T; dw: tgmm_mosaic) go through jax.grad of gmm's custom
-VJP. Everything runs in jax 0.10's GPU interpreter (it skips the layout
-casts, which it does not model); the Pallas -> Mosaic GPU lowering is
-checked for cuda on the CPU, at this shape and gpu_1b's.
+VJP. tgmm's layout "rows" (wgmma reads x transposed, the default on a
+GPU) needs an interpreter that runs transposed operands (jax >= 0.11);
+jax 0.10's runs everything else (skipping the layout casts, which it does
+not model). The Pallas -> Mosaic GPU lowering is checked for cuda on the
+CPU, at this shape and gpu_1b's, both layouts.
 """
 import functools
 
@@ -23,7 +25,8 @@ from moe_jax.config_validation import ConfigError, validate_config
 from pallas_kernels.grouped_matmul import (Tuning, gmm, gmm_reference,
                                            tgmm_reference)
 from pallas_kernels.grouped_matmul import mosaic
-from pallas_kernels.linear_attention.common.mosaic import gpu_interpreter
+from pallas_kernels.linear_attention.common.mosaic import (
+    LAYOUTS, gpu_interpreter, interpreter_transposes)
 
 M, K, N = 200, 128, 128
 SIZES = (0, 90, 3, 2, 40, 0, 30, 0)   # sum 165: rows 165..199 in no group
@@ -75,10 +78,15 @@ def test_gmm_mosaic_values_and_grads_match_reference(operands):
     np.testing.assert_array_equal(np.asarray(_f32(dw[g])), 0)
 
 
-def test_tgmm_mosaic_matches_reference_in_fp32(operands):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_tgmm_mosaic_matches_reference_in_fp32(operands, layout):
+  if layout == "rows" and not interpreter_transposes():
+    pytest.skip("jax 0.10's GPU interpreter runs no transposed wgmma operand "
+                "(jax < 0.11); 'rows' is checked by lowering")
   x, ct, sizes = operands["x"], operands["ct"], operands["sizes"]
   dy = ct.astype(jnp.bfloat16)
-  out = mosaic.tgmm_mosaic(x, dy, sizes, tuning=TUNE, interpret=True)
+  out = mosaic.tgmm_mosaic(x, dy, sizes, tuning=TUNE, layout=layout,
+                           interpret=True)
   assert out.shape == (len(SIZES), K, N) and out.dtype == jnp.float32
   # Same bf16 operands, fp32 sums: only the order of the sums differs.
   assert _rel(out, tgmm_reference(x, dy, sizes)) < 1e-5
@@ -87,9 +95,13 @@ def test_tgmm_mosaic_matches_reference_in_fp32(operands):
 def test_no_races_in_the_gpu_interpreter(operands):
   from jax._src.pallas.mosaic_gpu.interpret import (  # noqa: PLC0415
       interpret_pallas_call)
+  # jax 0.11's detector models TMA stores as asynchronous; 0.10's is coarser.
   x, w, sizes = operands["x"], operands["w"], operands["sizes"]
-  jax.block_until_ready(mosaic.gmm_mosaic(
-      x, w, sizes, tuning=TUNE, interpret=gpu_interpreter(detect_races=True)))
+  dy = operands["ct"].astype(jnp.bfloat16)
+  kw = dict(tuning=TUNE, interpret=gpu_interpreter(detect_races=True))
+  jax.block_until_ready(mosaic.gmm_mosaic(x, w, sizes, **kw))
+  assert not interpret_pallas_call.get_races().races_found
+  jax.block_until_ready(mosaic.tgmm_mosaic(x, dy, sizes, **kw))
   assert not interpret_pallas_call.get_races().races_found
 
 
@@ -104,13 +116,16 @@ def test_kernels_lower_for_cuda(tune, k, n):
   # compiling the module to a cubin needs a card.
   spec = jax.ShapeDtypeStruct
   sizes = spec((len(SIZES),), jnp.int32)
-  for name, fn, args in (
-      ("gmm_mosaic", mosaic.gmm_mosaic,
-       (spec((M, k), jnp.bfloat16), spec((len(SIZES), k, n), jnp.bfloat16))),
-      ("tgmm_mosaic", mosaic.tgmm_mosaic,
-       (spec((M, k), jnp.bfloat16), spec((M, n), jnp.bfloat16)))):
-    text = jax.jit(functools.partial(fn, tuning=tune)).trace(
-        *args, sizes).lower(lowering_platforms=("cuda",)).as_text()
+  x = spec((M, k), jnp.bfloat16)
+  calls = [("gmm_mosaic", functools.partial(mosaic.gmm_mosaic, tuning=tune),
+            (x, spec((len(SIZES), k, n), jnp.bfloat16)))]
+  for layout in LAYOUTS:
+    calls.append(("tgmm_mosaic", functools.partial(
+        mosaic.tgmm_mosaic, tuning=tune, layout=layout),
+                  (x, spec((M, n), jnp.bfloat16))))
+  for name, fn, args in calls:
+    text = jax.jit(fn).trace(*args, sizes).lower(
+        lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text and name in text
 
 

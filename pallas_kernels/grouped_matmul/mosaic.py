@@ -26,11 +26,11 @@ a tile costs a no-op item) times N / block_n.
 tgmm_mosaic is persistent the same way over (group, K block, N block)
 items, each an output block [tgmm_block_k, tgmm_block_n] accumulated over
 the row tiles of its group (a pipeline of block_m rows per step; an empty
-group stores zeros). wgmma needs
-x[rows]^T: the caller's x is transposed by XLA first ([K, M], both
-operands then plain), and in the first and last tile of a group the
-columns (rows of x) of other groups are zeroed in shared memory before the
-product.
+group stores zeros). wgmma reads the x block [block_m, K block]
+transposed (layout "rows"; jax 0.10's GPU interpreter cannot, so there x^T
+[K, M] is made by XLA first and read plainly: layout "cols"). In the first
+and last tile of a group the rows of x of other groups are zeroed in
+shared memory before the product.
 
 Limits (`check_mosaic`): bf16 x (wgmma on fp32 is TF32; fp32 callers
 keep the Triton kernels), K and N multiples of 64 (the 128-byte swizzle of
@@ -56,7 +56,8 @@ except ImportError:  # pragma: no cover - every supported jax has it
 from pallas_kernels.grouped_matmul.gmm import (Tuning, block_divisor,
                                                group_bounds, pad_rows, visits)
 from pallas_kernels.linear_attention.common.mosaic import (
-    SMEM_LIMIT, _interpret_params, _load, interpreter_transposes)
+    LAYOUTS, SMEM_LIMIT, _interpret_params, _load, default_layout,
+    interpreter_transposes)
 
 _F32 = jnp.float32
 _BF16 = jnp.bfloat16
@@ -183,10 +184,12 @@ def _as_wgmma(value, interpret):
   return plgpu.layout_cast(value, plgpu.Layout.WGMMA)
 
 
-def _tgmm_kernel(start_g, end_g, xt_g, dy_g, o_g, o_smem, *, bm, bk, bn,
-                 k_blocks, n_blocks, steps, interpret):
+def _tgmm_kernel(start_g, end_g, x_g, dy_g, o_g, o_smem, *, bm, bk, bn,
+                 k_blocks, n_blocks, steps, layout, interpret):
   n_groups = start_g.shape[0]
   n_items = n_groups * k_blocks * n_blocks
+  rows_axis = 0 if layout == "rows" else 1   # x's rows in its block
+  x_block = (bm, bk) if layout == "rows" else (bk, bm)
 
   @plgpu.nd_loop((n_items,), collective_axes="sm")
   def _item(info):
@@ -199,33 +202,37 @@ def _tgmm_kernel(start_g, end_g, xt_g, dy_g, o_g, o_smem, *, bm, bk, bn,
     n_tiles = jax.lax.div(hi + bm - 1, bm) - t0
 
     def product(acc):
-      def mma(idx, xt_smem, dy_smem):
+      def mma(idx, x_smem, dy_smem):
         t = t0 + idx[0]
 
-        # A tile shared with another group: zero the columns (rows of x) of
-        # other groups before the product.
+        # A tile shared with another group: zero the rows of x of other
+        # groups before the product.
         @pl.when((t * bm < lo) | ((t + 1) * bm > hi))
         def _():
-          cols = t * bm + _as_wgmma(
-              jax.lax.broadcasted_iota(jnp.int32, (bk, bm), 1), interpret)
-          xt = _load(xt_smem, plgpu.Layout.WGMMA, interpret)
-          xt_smem[...] = jnp.where((cols >= lo) & (cols < hi), xt,
-                                   jnp.zeros_like(xt))
+          rows = t * bm + _as_wgmma(jax.lax.broadcasted_iota(
+              jnp.int32, x_block, rows_axis), interpret)
+          xv = _load(x_smem, plgpu.Layout.WGMMA, interpret)
+          x_smem[...] = jnp.where((rows >= lo) & (rows < hi), xv,
+                                  jnp.zeros_like(xv))
           plgpu.commit_smem()
 
-        plgpu.wgmma(acc, xt_smem, dy_smem)
+        lhs = x_smem.transpose((1, 0)) if layout == "rows" else x_smem
+        plgpu.wgmma(acc, lhs, dy_smem)
         plgpu.wgmma_wait(1)        # the slot of step r - 1 may be refilled
+
+      def x_index(r):
+        return (t0 + r, i) if layout == "rows" else (i, t0 + r)
 
       @pl.when(hi > lo)            # an empty group: acc stays zero
       def _():
         plgpu.emit_pipeline(
             mma, grid=(n_tiles,),
             in_specs=[
-                plgpu.BlockSpec((bk, bm), lambda r: (i, t0 + r),
-                                transforms=_transforms(), delay_release=1),
+                plgpu.BlockSpec(x_block, x_index, transforms=_transforms(),
+                                delay_release=1),
                 plgpu.BlockSpec((bm, bn), lambda r: (t0 + r, j),
                                 transforms=_transforms(), delay_release=1)],
-            max_concurrent_steps=steps)(xt_g, dy_g)
+            max_concurrent_steps=steps)(x_g, dy_g)
       return acc[...]
 
     acc = pl.run_scoped(product, plgpu.ACC((bk, bn), _F32))
@@ -277,7 +284,7 @@ def gmm_mosaic(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
 
 def tgmm_mosaic(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *,
                 out_dtype=_F32, tuning: Tuning | None = None,
-                interpret=False) -> jax.Array:
+                layout: str | None = None, interpret=False) -> jax.Array:
   """out[g] = x[rows g]^T @ dy[rows g] (the weight gradient), on Mosaic GPU.
 
   Args:
@@ -286,8 +293,12 @@ def tgmm_mosaic(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *,
     group_sizes: int [E], sum <= M (rows past the sum are in no group).
     out_dtype: the result's dtype (fp32 accumulation either way).
     tuning: block_m (rows per step, 64, 128 or 256), tgmm_block_k and
-      tgmm_block_n (the [K, N] output block; lowered to the largest of 64,
-      128, 256 dividing the dim) and mosaic_steps of gmm.Tuning.
+      tgmm_block_n (the [K, N] output block; lowered to the largest power
+      of two dividing the dim) and mosaic_steps of gmm.Tuning.
+    layout: how wgmma gets x^T: "rows" (x as is, read transposed by the
+      hardware) or "cols" (x^T [K, M] made by XLA first, an extra pass over
+      x; the only one jax 0.10's GPU interpreter runs). None: "rows", but
+      "cols" in that interpreter.
     interpret: True or gpu_interpreter(...) to run in the GPU interpreter.
 
   Returns:
@@ -297,6 +308,10 @@ def tgmm_mosaic(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *,
   m, k = x.shape
   n = dy.shape[1]
   check_mosaic(x.dtype, k, n, tune, what="tgmm")
+  layout = default_layout(interpret) if layout is None else layout
+  if layout not in LAYOUTS:
+    raise ValueError(f"tgmm_mosaic layout must be one of {LAYOUTS}, got "
+                     f"{layout!r}")
   bm = tune.block_m
   bk = block_divisor(k, tune.tgmm_block_k)
   bn = block_divisor(n, tune.tgmm_block_n)
@@ -307,13 +322,12 @@ def tgmm_mosaic(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *,
       _tgmm_kernel, bm=bm, bk=bk, bn=bn, k_blocks=k // bk, n_blocks=n // bn,
       steps=_steps(tune, (bk + bn) * bm * 2,
                    bk * bn * jnp.dtype(out_dtype).itemsize, "tgmm"),
-      interpret=bool(interpret))
+      layout=layout, interpret=bool(interpret))
   call = plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct((e, k, n), out_dtype),
       scratch_types=[plgpu.SMEM((bk, bn), out_dtype)],
       grid=(num_programs(interpret),), grid_names=("sm",),
       kernel_name="tgmm_mosaic", interpret=_interpret_params(interpret))
-  # x^T [K, M]: both wgmma operands plain (jax 0.10's interpreter runs no
-  # transposed operand).
-  return call(start, end, pad_rows(x, m_pad).T,
+  xp = pad_rows(x, m_pad)
+  return call(start, end, xp if layout == "rows" else xp.T,
               pad_rows(dy, m_pad).astype(x.dtype))

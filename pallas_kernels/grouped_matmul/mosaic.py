@@ -68,10 +68,10 @@ _MAX_ACC = 128 * 128  # accumulator elements: 128 fp32 registers per thread
 _INTERPRET_SMS = 4    # persistent programs in the interpreter (no card)
 
 
-def _transforms(dtype=_BF16, swizzle=128):
-  """Tiling and 128-byte swizzle of a 16-bit wgmma operand block."""
-  return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
-          plgpu.SwizzleTransform(swizzle))
+def _transforms():
+  """Tiling (8 rows x 64) and 128-byte swizzle of a bf16 wgmma operand
+  block in shared memory (every block here is a multiple of 64 wide)."""
+  return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
 
 def num_programs(interpret) -> int:
@@ -119,7 +119,7 @@ def _steps(tune: Tuning, per_step: int, fixed: int, what: str) -> int:
         f"{what} with Tuning(kernel='mosaic') needs {fixed + 2 * per_step} "
         f"bytes of shared memory at these blocks (limit {SMEM_LIMIT}); use "
         "smaller blocks")
-  return max(2, steps)
+  return steps
 
 
 def _store_rows(o_smem, o_gmem, row0, start, size, bm):

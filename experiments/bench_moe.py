@@ -11,6 +11,12 @@ and backward). XLA's ragged_dot lowering is chosen by XLA flags, so each
   python -m experiments.bench_moe --shapes=65536:1024:384:64:8 \
       --matmuls=pallas,ragged_dot \
       --xla_variants=default:,cudnn:--xla_gpu_experimental_use_ragged_dot_fusion=true
+
+The Mosaic GPU kernels (grouped_matmul/mosaic.py; bf16, widths multiples of
+64) are the "mosaic" rows, their tunings --mosaic_tunings:
+
+  python -m experiments.bench_moe --shapes=65536:1024:384:64:8 \
+      --matmuls=mosaic,pallas --mosaic_tunings=,128:128:4,128:256:3
 """
 from __future__ import annotations
 
@@ -32,6 +38,10 @@ _XLA = flags.DEFINE_list("xla_variants", ["default:"],
 _TUNINGS = flags.DEFINE_list(
     "tunings", [""], "Pallas rows: bm:bn:bk:warps:stages[:schedule] of gmm "
     "(tgmm takes bn/2bk as its output block); '' = the default Tuning.")
+_MOSAIC_TUNINGS = flags.DEFINE_list(
+    "mosaic_tunings", [""], "Mosaic rows: bm:bn:steps[:tgmm_bk:tgmm_bn] "
+    "(block_m, block_n, mosaic_steps, tgmm output block; each block 64, 128 "
+    "or 256); '' = Tuning(kernel='mosaic').")
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed repeats (median).")
 _PEAK = flags.DEFINE_float("peak_tflops", 989.0, "Dense bf16 peak.")
 _CHECK = flags.DEFINE_bool(
@@ -85,7 +95,15 @@ def time_one(shape: str, matmul: str, iters: int, tuning: str = "") -> dict:
   from moe_jax.layers import expert_parallel
   from moe_jax.layers.expert_parallel import expert_ffn
   from pallas_kernels.grouped_matmul import Tuning, gmm
-  if tuning:
+  if matmul == "mosaic":
+    expert_parallel.MOSAIC_TUNING = Tuning(kernel="mosaic")
+    if tuning:
+      bm, bn, steps, *tg = (int(v) for v in tuning.split(":"))
+      tbk, tbn = tg or (bm, bn)
+      expert_parallel.MOSAIC_TUNING = Tuning(
+          kernel="mosaic", block_m=bm, block_n=bn, mosaic_steps=steps,
+          tgmm_block_k=tbk, tgmm_block_n=tbn)
+  elif tuning:
     fields = tuning.split(":")
     bm, bn, bk, nw, ns = (int(v) for v in fields[:5])
     expert_parallel.gmm = functools.partial(gmm, tuning=Tuning(
@@ -151,7 +169,8 @@ def main(argv):
       for mm in _MATMULS.value:
         if mm != "ragged_dot" and _CHILD.value != next(iter(variants)):
           continue   # XLA flags change ragged_dot only
-        for tune in (_TUNINGS.value if mm == "pallas" else [""]):
+        tunes = {"pallas": _TUNINGS.value, "mosaic": _MOSAIC_TUNINGS.value}
+        for tune in tunes.get(mm, [""]):
           try:
             rows.append(dict(time_one(shape, mm, _ITERS.value, tune),
                              xla=_CHILD.value))

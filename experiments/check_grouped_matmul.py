@@ -2,8 +2,10 @@ r"""Are the grouped matmuls right on this device, at training shapes?
 
 Two checks, each printing one line per case:
 
-  kernels: `gmm` (each schedule) and `jax.lax.ragged_dot` against the
-    masked-dense reference (naive.gmm_reference) at MoE shapes, for several
+  kernels: `gmm` (each schedule; "mosaic" = Tuning(kernel="mosaic"), the
+    Mosaic GPU kernels, which also check their tgmm against
+    naive.tgmm_reference) and `jax.lax.ragged_dot` against the masked-dense
+    reference (naive.gmm_reference) at MoE shapes, for several
     group-size patterns (uniform, skewed, empty groups, balanced, rows past
     the last group). Before each call a NaN-filled buffer of the output's
     size is freed, so a row a kernel leaves unwritten shows as NaN or stale
@@ -16,6 +18,13 @@ Two checks, each printing one line per case:
 
   python -m experiments.check_grouped_matmul --checks=kernels,model \
       --config=configs/gpu_small.py --batch_size=8
+
+The Mosaic kernels need bf16 and K, N multiples of 64 (gpu_1b's shapes):
+
+  python -m experiments.check_grouped_matmul --checks=kernels,model \
+      --shapes=131072:1024:768:64,131072:384:1024:64 \
+      --schedules=visits,mosaic --config=configs/gpu_1b.py --batch_size=1 \
+      --matmuls=ragged_dot,pallas:visits,mosaic
 
 Pallas rows need a GPU; on a CPU the kernel check interprets them and the
 model check takes "interpret:SCHEDULE" rows (slow: tiny configs only).
@@ -33,14 +42,16 @@ _SHAPES = flags.DEFINE_list(
     "shapes", ["131072:512:192:64", "131072:96:512:64"],
     "M:K:N:E of the kernel check (the default: gpu_small's gate/up and "
     "down products).")
-_SCHEDULES = flags.DEFINE_list("schedules", ["visits", "tiles"],
-                               "gmm schedules (Tuning.schedule).")
+_SCHEDULES = flags.DEFINE_list(
+    "schedules", ["visits", "tiles"],
+    "gmm schedules (Tuning.schedule), or mosaic (Tuning(kernel='mosaic')).")
 _CONFIG = flags.DEFINE_string("config", "configs/gpu_small.py",
                               "Config file[:variants] of the model check.")
 _BATCH = flags.DEFINE_integer("batch_size", 8, "Model check batch size.")
 _MATMULS = flags.DEFINE_list(
     "matmuls", ["ragged_dot", "pallas:visits", "pallas:tiles"],
-    "Model check rows: ragged_dot | pallas:SCHEDULE | interpret:SCHEDULE.")
+    "Model check rows: ragged_dot | pallas:SCHEDULE | interpret:SCHEDULE | "
+    "mosaic.")
 _SCALES = flags.DEFINE_list("bias_scales", ["0", "0.5"],
                             "Std of the noise added to the router biases.")
 
@@ -72,7 +83,8 @@ def group_size_patterns(m: int, e: int, key) -> dict:
 def check_kernels():
   import jax
   import jax.numpy as jnp
-  from pallas_kernels.grouped_matmul import Tuning, gmm, gmm_reference
+  from pallas_kernels.grouped_matmul import (Tuning, gmm, gmm_reference, tgmm,
+                                             tgmm_reference)
   for shape in _SHAPES.value:
     m, k, n, e = (int(v) for v in shape.split(":"))
     ks = jax.random.split(jax.random.PRNGKey(m + n), 3)
@@ -81,9 +93,15 @@ def check_kernels():
     ref_fn = jax.jit(gmm_reference)
     fns = {"ragged_dot": jax.jit(jax.lax.ragged_dot)}
     interpret = jax.default_backend() == "cpu"   # a slow smoke run
-    for s in _SCHEDULES.value:
-      fns[s] = jax.jit(functools.partial(gmm, tuning=Tuning(schedule=s),
+    tunes = {s: Tuning(kernel="mosaic") if s == "mosaic" else Tuning(
+        schedule=s) for s in _SCHEDULES.value}
+    for s, tune in tunes.items():
+      fns[s] = jax.jit(functools.partial(gmm, tuning=tune,
                                          interpret=interpret))
+    if "mosaic" in tunes:   # the weight gradient's kernel, [E, K, N] fp32
+      dy = jax.random.normal(ks[2], (m, n), jnp.bfloat16)
+      tgmm_fn = jax.jit(functools.partial(tgmm, tuning=tunes["mosaic"],
+                                          interpret=interpret))
     for name, sizes in group_size_patterns(m, e, ks[2]).items():
       ref = ref_fn(x, w, sizes)
       cells = [f"M{m} K{k} N{n} E{e} {name:8s} rows {int(sizes.sum())}"]
@@ -91,8 +109,18 @@ def check_kernels():
         for rep in range(2):
           junk = jnp.full((m, n), jnp.nan, jnp.bfloat16).block_until_ready()
           del junk
-          err, bad = _rel(fn(x, w, sizes), ref)
+          try:
+            err, bad = _rel(fn(x, w, sizes), ref)
+          except ValueError as exc:   # a kernel's limits (named)
+            cells.append(f"{fname} n/a: {exc}")
+            break
           cells.append(f"{fname}#{rep} {err:.1e} nonfinite {bad}")
+      if "mosaic" in tunes:
+        try:
+          err, bad = _rel(tgmm_fn(x, dy, sizes), tgmm_reference(x, dy, sizes))
+          cells.append(f"tgmm:mosaic {err:.1e} nonfinite {bad}")
+        except ValueError as exc:
+          cells.append(f"tgmm:mosaic n/a: {exc}")
       print(" | ".join(cells), flush=True)
 
 

@@ -175,17 +175,24 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   _one_of(config, "model.remat", ("none", "sublayer", "dots", "experts"))
   _one_of(config, "model.moe.dispatch", ("ragged", "loop"))
   _one_of(config, "model.moe.grouped_matmul",
-          ("auto", "ragged_dot", "pallas", "interpret"))
-  if config.model.moe.grouped_matmul in ("pallas", "interpret"):
+          ("auto", "ragged_dot", "pallas", "interpret", "mosaic"))
+  matmul = config.model.moe.grouped_matmul
+  if matmul in ("pallas", "interpret", "mosaic"):
+    multiple = 64 if matmul == "mosaic" else 16
     d_in = config.model.moe.expert_latent_dim or config.model.d_model
     for name, dim in (("model.moe.d_expert", config.model.moe.d_expert),
                       ("the expert input width (model.moe.expert_latent_dim "
                        "or model.d_model)", d_in)):
-      if dim % 16:
+      if dim % multiple:
         raise ConfigError(
-            f"model.moe.grouped_matmul={config.model.moe.grouped_matmul!r} "
-            f"needs {name} a multiple of 16, got {dim}; allowed otherwise: "
+            f"model.moe.grouped_matmul={matmul!r} needs {name} a multiple of "
+            f"{multiple}, got {dim}; allowed otherwise: "
             "grouped_matmul='ragged_dot' or 'auto'")
+  if matmul == "mosaic" and config.model.dtype != "bfloat16":
+    raise ConfigError(
+        "model.moe.grouped_matmul='mosaic' needs model.dtype='bfloat16' "
+        f"(wgmma on float32 is TF32), got {config.model.dtype!r}; allowed "
+        "otherwise: grouped_matmul='pallas', 'ragged_dot' or 'auto'")
   _one_of(config, "model.moe.balancing", ("qb", "sign", "aux", "none"))
   _float_range(config, "model.moe.qb_ema", 0.0, 1.0, hi_open=True)
   _one_of(config, "model.moe.qb_estimator", ("exact", "histogram"))

@@ -49,13 +49,16 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax.balancing import sorted_counts
 from moe_jax.layers import mesh_utils
-from pallas_kernels.grouped_matmul import gmm
+from pallas_kernels.grouped_matmul import Tuning, gmm
 
 # How the experts' grouped products run: "ragged_dot" (jax.lax.ragged_dot,
 # XLA's lowering), "pallas" (pallas_kernels.grouped_matmul, GPU),
 # "interpret" (the same kernels in the Pallas interpreter, for CPU tests),
-# "auto" (pallas on a GPU, ragged_dot elsewhere).
-GROUPED_MATMULS = ("auto", "ragged_dot", "pallas", "interpret")
+# "mosaic" (the Mosaic GPU kernels, grouped_matmul/mosaic.py: GPU, bf16,
+# widths multiples of 64), "auto" (pallas on a GPU, ragged_dot elsewhere).
+GROUPED_MATMULS = ("auto", "ragged_dot", "pallas", "interpret", "mosaic")
+# The kernels' parameters under "mosaic" (experiments/bench_moe.py swaps it).
+MOSAIC_TUNING = Tuning(kernel="mosaic")
 
 # checkpoint_name tags of the experts' activations (model.REMAT_POLICIES).
 EXPERT_GATE_UP = "expert_gate_up"
@@ -81,8 +84,9 @@ def resolve_grouped_matmul(matmul: str, dims: Sequence[int] = ()) -> str:
 def expert_ffn(xs, group_sizes, w_gate, w_up, w_down, matmul="ragged_dot"):
   """SwiGLU of each row under its group's expert. xs [M, D] group-sorted.
 
-  The Pallas path runs gate and up as one product against [E, D, 2F] (xs
-  read once, one launch); ragged_dot keeps the two products.
+  The Pallas paths (pallas, interpret, mosaic) run gate and up as one
+  product against [E, D, 2F] (xs read once, one launch); ragged_dot keeps
+  the two products.
 
   The gate/up product and the output are named for remat policies
   (EXPERT_GATE_UP, EXPERT_OUTPUT; model.remat="experts" keeps them, so the
@@ -99,14 +103,15 @@ def expert_ffn(xs, group_sizes, w_gate, w_up, w_down, matmul="ragged_dot"):
     h = jax.nn.silu(gate) * up                                   # [M, F]
     return checkpoint_name(jax.lax.ragged_dot(h, w_down, group_sizes),
                            EXPERT_OUTPUT)
-  interpret = matmul == "interpret"
+  kw = dict(interpret=matmul == "interpret")
+  if matmul == "mosaic":
+    kw["tuning"] = MOSAIC_TUNING
   f = w_gate.shape[-1]
   gu = gmm(xs, jnp.concatenate([w_gate, w_up], axis=-1), group_sizes,
-           interpret=interpret)                                  # [M, 2F]
+           **kw)                                                 # [M, 2F]
   gu = checkpoint_name(gu, EXPERT_GATE_UP)
   h = jax.nn.silu(gu[:, :f]) * gu[:, f:]
-  return checkpoint_name(gmm(h, w_down, group_sizes, interpret=interpret),
-                         EXPERT_OUTPUT)
+  return checkpoint_name(gmm(h, w_down, group_sizes, **kw), EXPERT_OUTPUT)
 
 
 def ragged_experts(x, idx, w, w_gate, w_up, w_down, matmul="ragged_dot"):

@@ -26,6 +26,9 @@ tiles of its group, so its cost follows the group's size.
 
 `gmm` is differentiable in x and w: dx = gmm(dy, w^T), dw = tgmm(x, dy).
 The reference is naive.gmm_reference / tgmm_reference.
+
+Tuning(kernel="mosaic") runs all three products as the Mosaic GPU (TMA +
+wgmma) kernels of mosaic.py instead (bf16, K and N multiples of 64).
 """
 from __future__ import annotations
 
@@ -47,6 +50,9 @@ _MIN_DIM = 16
 # masked stores) or "tiles" (one program per row tile, looping over the
 # groups in it with masked loads, one plain store).
 SCHEDULES = ("visits", "tiles")
+# Who runs the products: the Triton kernels here (any float dtype) or the
+# Mosaic GPU kernels of mosaic.py (bf16, K and N multiples of 64).
+KERNELS = ("triton", "mosaic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +66,14 @@ class Tuning:
   schedule: gmm's program layout, "visits" (the default, measured at both
     the gpu_small and the gpu_1b shapes) or "tiles" (see the module
     docstring; faster at the gpu_small shape on an H100, results/train_step.md).
+  kernel: "triton" (the kernels of this module) or "mosaic" (mosaic.py:
+    wgmma + TMA; bf16 only). With "mosaic", block_m x block_n and
+    tgmm_block_k x tgmm_block_n are the accumulator tiles (each 64, 128 or
+    256, at most 128 x 128 elements), block_m also tgmm's rows per step,
+    mosaic_steps the pipeline's blocks in flight; block_k, the warps,
+    stages and schedule are unused.
+  mosaic_steps: TMA blocks in flight in the Mosaic kernels (lowered to fit
+    shared memory; at least 2).
   """
   block_m: int = 128
   block_n: int = 128
@@ -71,13 +85,18 @@ class Tuning:
   tgmm_num_warps: int = 8
   tgmm_num_stages: int = 3
   schedule: str = "visits"
+  kernel: str = "triton"
+  mosaic_steps: int = 4
 
   def __post_init__(self):
     if self.schedule not in SCHEDULES:
       raise ValueError(f"Tuning.schedule must be one of {SCHEDULES}, got "
                        f"{self.schedule!r}")
+    if self.kernel not in KERNELS:
+      raise ValueError(f"Tuning.kernel must be one of {KERNELS}, got "
+                       f"{self.kernel!r}")
     for f in dataclasses.fields(self):
-      if f.name == "schedule":
+      if f.name in ("schedule", "kernel"):
         continue
       v = getattr(self, f.name)
       if not isinstance(v, int) or v < 1 or (
@@ -88,7 +107,7 @@ class Tuning:
             f"of two >= 16), got {v!r}")
 
 
-def _block(dim: int, cap: int) -> int:
+def block_divisor(dim: int, cap: int) -> int:
   """Largest power of two <= cap dividing dim (dim is a multiple of 16)."""
   b = cap
   while dim % b:
@@ -258,7 +277,7 @@ def check_operands(x, w, group_sizes, transpose_rhs=False):
                      f"{group_sizes.dtype}")
 
 
-def _pad_rows(a, m_pad):
+def pad_rows(a, m_pad):
   return a if a.shape[0] == m_pad else jnp.pad(
       a, ((0, m_pad - a.shape[0]), (0, 0)))
 
@@ -268,12 +287,24 @@ def _precision(dtype):
   return jax.lax.Precision.HIGHEST if dtype == _F32 else None
 
 
+def _mosaic():
+  """mosaic.py, imported on use (it imports this module)."""
+  from pallas_kernels.grouped_matmul import mosaic  # noqa: PLC0415
+  return mosaic
+
+
 def _gmm_call(x, w, group_sizes, transpose_rhs, tune, interpret):
+  if tune.kernel == "mosaic":
+    mosaic = _mosaic()
+    if transpose_rhs:   # the kernel reads w plainly; w is small
+      w = jnp.swapaxes(w, 1, 2)
+    return mosaic.gmm_mosaic(x, w, group_sizes, tuning=tune,
+                             interpret=interpret)
   m, k = x.shape
   n = w.shape[1] if transpose_rhs else w.shape[2]
   bm = tune.block_m
   m_pad = pl.cdiv(m, bm) * bm
-  bn, bk = _block(n, tune.block_n), _block(k, tune.block_k)
+  bn, bk = block_divisor(n, tune.block_n), block_divisor(k, tune.block_k)
   precision = _precision(x.dtype)
   if tune.schedule == "tiles":
     kernel = functools.partial(_gmm_tile_kernel, transpose_rhs=transpose_rhs,
@@ -291,20 +322,25 @@ def _gmm_call(x, w, group_sizes, transpose_rhs, tune, interpret):
       compiler_params=_params(tune.num_warps, tune.num_stages),
       interpret=interpret,
       name="gmm",
-  )(*meta, _pad_rows(x, m_pad), w.astype(x.dtype))
+  )(*meta, pad_rows(x, m_pad), w.astype(x.dtype))
   return out[:m]
 
 
 def _tgmm_call(x, dy, group_sizes, out_dtype, tune, interpret):
+  if tune.kernel == "mosaic":
+    mosaic = _mosaic()
+    return mosaic.tgmm_mosaic(x, dy, group_sizes, out_dtype=out_dtype,
+                              tuning=tune, interpret=interpret)
   m, k = x.shape
   n = dy.shape[1]
   bm = tune.block_m
   m_pad = pl.cdiv(m, bm) * bm
-  bk, bn = _block(k, tune.tgmm_block_k), _block(n, tune.tgmm_block_n)
+  bk = block_divisor(k, tune.tgmm_block_k)
+  bn = block_divisor(n, tune.tgmm_block_n)
   start, end = group_bounds(group_sizes)
   e = group_sizes.shape[0]
   whole = lambda a: pl.BlockSpec(a.shape, lambda g, i, j: (0,) * a.ndim)  # noqa: E731
-  xp, dyp = _pad_rows(x, m_pad), _pad_rows(dy, m_pad)
+  xp, dyp = pad_rows(x, m_pad), pad_rows(dy, m_pad)
   return pl.pallas_call(
       functools.partial(_tgmm_kernel, bm=bm, bk=bk, bn=bn,
                         precision=_precision(x.dtype)),
@@ -352,15 +388,23 @@ def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     w: [E, K, N] (transpose_rhs: [E, N, K]); cast to x.dtype.
     group_sizes: int [E], sum <= M; rows past the sum give zeros.
     transpose_rhs: multiply by each group's matrix transposed.
-    tuning: block sizes and launch parameters (default Tuning()).
-    interpret: run the kernels in the Pallas interpreter (CPU tests).
+    tuning: block sizes and launch parameters (default Tuning());
+      Tuning(kernel="mosaic") runs the product and both gradients on Mosaic
+      GPU (mosaic.py: bf16 x, K and N multiples of 64).
+    interpret: run the kernels in the Pallas interpreter (CPU tests; the
+      Mosaic kernels in the GPU interpreter).
 
   Returns:
     [M, N] in x.dtype (fp32 accumulation). Differentiable in x and w.
   """
   check_operands(x, w, group_sizes, transpose_rhs)
-  return _gmm(x, w, group_sizes.astype(jnp.int32), transpose_rhs,
-              tuning or Tuning(), interpret)
+  tuning = tuning or Tuning()
+  if tuning.kernel == "mosaic":
+    mosaic = _mosaic()
+    n = w.shape[1] if transpose_rhs else w.shape[2]
+    mosaic.check_mosaic(x.dtype, x.shape[1], n, tuning)
+  return _gmm(x, w, group_sizes.astype(jnp.int32), transpose_rhs, tuning,
+              interpret)
 
 
 def tgmm(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *,
@@ -369,5 +413,8 @@ def tgmm(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *,
   if x.ndim != 2 or dy.ndim != 2 or x.shape[0] != dy.shape[0]:
     raise ValueError(f"tgmm takes x [M, K] and dy [M, N], got x {x.shape} "
                      f"and dy {dy.shape}")
-  return _tgmm_call(x, dy, group_sizes.astype(jnp.int32), _F32,
-                    tuning or Tuning(), interpret)
+  tuning = tuning or Tuning()
+  if tuning.kernel == "mosaic":
+    _mosaic().check_mosaic(x.dtype, x.shape[1], dy.shape[1], tuning, "tgmm")
+  return _tgmm_call(x, dy, group_sizes.astype(jnp.int32), _F32, tuning,
+                    interpret)

@@ -95,6 +95,10 @@ def time_one(shape: str, matmul: str, iters: int, tuning: str = "") -> dict:
   from moe_jax.layers import expert_parallel
   from moe_jax.layers.expert_parallel import expert_ffn
   from pallas_kernels.grouped_matmul import Tuning, gmm
+  # Each row starts from the plain kernels: an earlier row's tuning must not
+  # leak into this one.
+  expert_parallel.gmm = gmm
+  expert_parallel.MOSAIC_TUNING = Tuning(kernel="mosaic")
   if matmul == "mosaic":
     expert_parallel.MOSAIC_TUNING = Tuning(kernel="mosaic")
     if tuning:

@@ -15,7 +15,7 @@ import pytest
 
 from pallas_kernels.grouped_matmul import (Tuning, gmm, gmm_reference, tgmm,
                                            tgmm_reference, visits)
-from pallas_kernels.grouped_matmul.gmm import SCHEDULES
+from pallas_kernels.grouped_matmul.layout import SCHEDULES
 
 # 16-row tiles, 16-wide K steps: M = 70 rows is 5 tiles, the last partial.
 TUNE = Tuning(block_m=16, block_n=16, block_k=16, tgmm_block_k=16,

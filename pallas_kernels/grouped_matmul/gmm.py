@@ -32,7 +32,6 @@ wgmma) kernels of mosaic.py instead (bf16, K and N multiples of 64).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -44,120 +43,19 @@ try:  # Triton compiler params (jax 0.10 - 0.12); absent -> default params.
 except ImportError:  # pragma: no cover
   plgpu = None
 
+from pallas_kernels.grouped_matmul import mosaic
+from pallas_kernels.grouped_matmul.layout import (Tuning, block_divisor,
+                                                  group_bounds, pad_rows,
+                                                  tile_groups, visits)
+
 _F32 = jnp.float32
 _MIN_DIM = 16
-# gmm's program layouts: "visits" (one program per (row tile, group) pair,
-# masked stores) or "tiles" (one program per row tile, looping over the
-# groups in it with masked loads, one plain store).
-SCHEDULES = ("visits", "tiles")
-# Who runs the products: the Triton kernels here (any float dtype) or the
-# Mosaic GPU kernels of mosaic.py (bf16, K and N multiples of 64).
-KERNELS = ("triton", "mosaic")
-
-
-@dataclasses.dataclass(frozen=True)
-class Tuning:
-  """Block sizes and launch parameters of the two kernels.
-
-  block_m: rows per tile (gmm's visits, tgmm's inner loop step).
-  block_n, block_k: output columns per program and the contraction step of
-    gmm; each is lowered to the largest power of two that divides its dim.
-  tgmm_block_k, tgmm_block_n: the [K, N] output block of one tgmm program.
-  schedule: gmm's program layout, "visits" (the default, measured at both
-    the gpu_small and the gpu_1b shapes) or "tiles" (see the module
-    docstring; faster at the gpu_small shape on an H100, results/train_step.md).
-  kernel: "triton" (the kernels of this module) or "mosaic" (mosaic.py:
-    wgmma + TMA; bf16 only). With "mosaic", block_m x block_n and
-    tgmm_block_k x tgmm_block_n are the accumulator tiles (each 64, 128 or
-    256, at most 128 x 128 elements), block_m also tgmm's rows per step,
-    mosaic_steps the pipeline's blocks in flight; block_k, the warps,
-    stages and schedule are unused.
-  mosaic_steps: TMA blocks in flight in the Mosaic kernels (lowered to fit
-    shared memory; at least 2).
-  """
-  block_m: int = 128
-  block_n: int = 128
-  block_k: int = 64
-  num_warps: int = 8
-  num_stages: int = 3
-  tgmm_block_k: int = 128
-  tgmm_block_n: int = 128
-  tgmm_num_warps: int = 8
-  tgmm_num_stages: int = 3
-  schedule: str = "visits"
-  kernel: str = "triton"
-  mosaic_steps: int = 4
-
-  def __post_init__(self):
-    if self.schedule not in SCHEDULES:
-      raise ValueError(f"Tuning.schedule must be one of {SCHEDULES}, got "
-                       f"{self.schedule!r}")
-    if self.kernel not in KERNELS:
-      raise ValueError(f"Tuning.kernel must be one of {KERNELS}, got "
-                       f"{self.kernel!r}")
-    for f in dataclasses.fields(self):
-      if f.name in ("schedule", "kernel"):
-        continue
-      v = getattr(self, f.name)
-      if not isinstance(v, int) or v < 1 or (
-          f.name.startswith(("block", "tgmm_block")) and (v & (v - 1) or
-                                                          v < 16)):
-        raise ValueError(
-            f"Tuning.{f.name} must be a positive int (block sizes: a power "
-            f"of two >= 16), got {v!r}")
-
-
-def block_divisor(dim: int, cap: int) -> int:
-  """Largest power of two <= cap dividing dim (dim is a multiple of 16)."""
-  b = cap
-  while dim % b:
-    b //= 2
-  return b
 
 
 def _params(num_warps, num_stages):
   if plgpu is None:
     return None
   return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-
-
-def group_bounds(group_sizes: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(start, end) row of each group. int32 [E] each."""
-  ends = jnp.cumsum(group_sizes.astype(jnp.int32))
-  return ends - group_sizes.astype(jnp.int32), ends
-
-
-def visits(group_sizes: jax.Array, m_pad: int, block_m: int) -> tuple:
-  """The (tile, group, lo, hi) of every gmm program row; each int32 [V].
-
-  Groups are the E real ones plus a tail group E over [sum(sizes), m_pad),
-  whose rows gmm zero-fills. V = m_pad / block_m + E bounds the visits;
-  unused trailing entries get lo = hi (nothing to do).
-  """
-  e = group_sizes.shape[0]
-  start, end = group_bounds(group_sizes)
-  end_x = jnp.concatenate([end, jnp.full((1,), m_pad, jnp.int32)])
-  start_x = jnp.concatenate([start, end[-1:]])
-  n_tiles = m_pad // block_m
-  first_row = jnp.arange(n_tiles, dtype=jnp.int32) * block_m
-  # The group holding row r is the first whose end exceeds r (empty groups
-  # never hold a row; ones between g_first and g_last cost a no-op visit).
-  g_first = jnp.searchsorted(end_x, first_row, side="right")
-  g_last = jnp.searchsorted(end_x, first_row + block_m - 1, side="right")
-  per_tile = (g_last - g_first + 1).astype(jnp.int32)
-  offsets = jnp.cumsum(per_tile)
-  n_visits = n_tiles + e
-  v = jnp.arange(n_visits, dtype=jnp.int32)
-  tile = jnp.minimum(jnp.searchsorted(offsets, v, side="right"),
-                     n_tiles - 1).astype(jnp.int32)
-  group = (g_first[tile] + v - (offsets[tile] - per_tile[tile])).astype(
-      jnp.int32)
-  valid = v < offsets[-1]
-  group = jnp.where(valid, jnp.minimum(group, e), e)
-  lo = jnp.maximum(start_x[group], tile * block_m)
-  hi = jnp.minimum(end_x[group], (tile + 1) * block_m)
-  hi = jnp.where(valid, jnp.maximum(hi, lo), lo)
-  return tile, group, lo, hi
 
 
 def _group_product(x_ref, w_ref, g, row0, j, acc, *, bm, bn, bk,
@@ -221,20 +119,6 @@ def _tgmm_kernel(start_ref, end_ref, x_ref, dy_ref, o_ref, *, bm, bk, bn,
   o_ref[...] = acc.astype(o_ref.dtype)
 
 
-def tile_groups(group_sizes: jax.Array, m_pad: int, block_m: int) -> tuple:
-  """(first, last) real group holding rows of each row tile; int32 [M/bm].
-
-  A tile wholly past sum(sizes) gets first = E > last (no group).
-  """
-  e = group_sizes.shape[0]
-  _, end = group_bounds(group_sizes)
-  first_row = jnp.arange(m_pad // block_m, dtype=jnp.int32) * block_m
-  first = jnp.searchsorted(end, first_row, side="right").astype(jnp.int32)
-  last = jnp.minimum(jnp.searchsorted(end, first_row + block_m - 1,
-                                      side="right"), e - 1).astype(jnp.int32)
-  return first, last
-
-
 def _gmm_tile_kernel(first_ref, last_ref, start_ref, end_ref, x_ref, w_ref,
                      o_ref, *, bm, bn, bk, transpose_rhs, precision):
   t, j = pl.program_id(0), pl.program_id(1)
@@ -277,25 +161,13 @@ def check_operands(x, w, group_sizes, transpose_rhs=False):
                      f"{group_sizes.dtype}")
 
 
-def pad_rows(a, m_pad):
-  return a if a.shape[0] == m_pad else jnp.pad(
-      a, ((0, m_pad - a.shape[0]), (0, 0)))
-
-
 def _precision(dtype):
   # fp32 operands: IEEE fp32 products on the GPU, not TF32.
   return jax.lax.Precision.HIGHEST if dtype == _F32 else None
 
 
-def _mosaic():
-  """mosaic.py, imported on use (it imports this module)."""
-  from pallas_kernels.grouped_matmul import mosaic  # noqa: PLC0415
-  return mosaic
-
-
 def _gmm_call(x, w, group_sizes, transpose_rhs, tune, interpret):
   if tune.kernel == "mosaic":
-    mosaic = _mosaic()
     if transpose_rhs:   # the kernel reads w plainly; w is small
       w = jnp.swapaxes(w, 1, 2)
     return mosaic.gmm_mosaic(x, w, group_sizes, tuning=tune,
@@ -328,7 +200,6 @@ def _gmm_call(x, w, group_sizes, transpose_rhs, tune, interpret):
 
 def _tgmm_call(x, dy, group_sizes, out_dtype, tune, interpret):
   if tune.kernel == "mosaic":
-    mosaic = _mosaic()
     return mosaic.tgmm_mosaic(x, dy, group_sizes, out_dtype=out_dtype,
                               tuning=tune, interpret=interpret)
   m, k = x.shape
@@ -400,7 +271,6 @@ def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
   check_operands(x, w, group_sizes, transpose_rhs)
   tuning = tuning or Tuning()
   if tuning.kernel == "mosaic":
-    mosaic = _mosaic()
     n = w.shape[1] if transpose_rhs else w.shape[2]
     mosaic.check_mosaic(x.dtype, x.shape[1], n, tuning)
   return _gmm(x, w, group_sizes.astype(jnp.int32), transpose_rhs, tuning,
@@ -415,6 +285,6 @@ def tgmm(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *,
                      f"and dy {dy.shape}")
   tuning = tuning or Tuning()
   if tuning.kernel == "mosaic":
-    _mosaic().check_mosaic(x.dtype, x.shape[1], dy.shape[1], tuning, "tgmm")
+    mosaic.check_mosaic(x.dtype, x.shape[1], dy.shape[1], tuning, "tgmm")
   return _tgmm_call(x, dy, group_sizes.astype(jnp.int32), _F32, tuning,
                     interpret)

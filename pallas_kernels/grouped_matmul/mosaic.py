@@ -5,7 +5,7 @@ out[g] = x[rows g]^T @ dy[rows g]), as Hopper kernels: operands reach shared
 memory by TMA, pipelined over the contraction, and are multiplied by
 warpgroup MMAs (wgmma) into an fp32 register accumulator.
 
-gmm_mosaic walks gmm.py's visits (row tile of block_m rows, group, rows
+gmm_mosaic walks layout.py's visits (row tile of block_m rows, group, rows
 [lo, hi) of the tile in the group; the tail group E holds the rows past
 sum(sizes), which are stored as zeros), times the N / block_n column
 blocks. The kernel is persistent: one program per SM
@@ -53,8 +53,9 @@ try:
 except ImportError:  # pragma: no cover - every supported jax has it
   plgpu = None
 
-from pallas_kernels.grouped_matmul.gmm import (Tuning, block_divisor,
-                                               group_bounds, pad_rows, visits)
+from pallas_kernels.grouped_matmul.layout import (Tuning, block_divisor,
+                                                  group_bounds, pad_rows,
+                                                  visits)
 from pallas_kernels.linear_attention.common.mosaic import (
     LAYOUTS, SMEM_LIMIT, _interpret_params, _load, default_layout,
     interpreter_transposes)
@@ -257,7 +258,7 @@ def gmm_mosaic(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     group_sizes: int [E], sum <= M; rows past the sum give zeros.
     tuning: block_m, block_n (each 64, 128 or 256; block_n is lowered to
       the largest power of two dividing N) and mosaic_steps (K blocks in
-      flight) of gmm.Tuning.
+      flight) of layout.Tuning.
     interpret: True or gpu_interpreter(...) to run in the GPU interpreter.
 
   Returns:
@@ -294,7 +295,7 @@ def tgmm_mosaic(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *,
     out_dtype: the result's dtype (fp32 accumulation either way).
     tuning: block_m (rows per step, 64, 128 or 256), tgmm_block_k and
       tgmm_block_n (the [K, N] output block; lowered to the largest power
-      of two dividing the dim) and mosaic_steps of gmm.Tuning.
+      of two dividing the dim) and mosaic_steps of layout.Tuning.
     layout: how wgmma gets x^T: "rows" (x as is, read transposed by the
       hardware) or "cols" (x^T [K, M] made by XLA first, an extra pass over
       x; the only one jax 0.10's GPU interpreter runs). None: "rows", but

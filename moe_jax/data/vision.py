@@ -24,6 +24,15 @@ image scores 0, below chance). Named by position, every colour stays a
 possible answer, and the question tests reading the colour of a
 composition never seen. colour_question='kind' keeps the kind-named form.
 
+Colours of training objects: each kind draws among its five training
+colours with weights (TRAIN_COLOURS) that make all six colours equally
+frequent over training objects when kinds are (as in colour, position,
+larger and caption scenes): magenta and cyan, held out with no kind, 1/6
+each; the others 2/9. Drawn uniformly per kind, magenta and cyan would be a
+third more frequent than the other four, an answer prior that pulls
+held-out colour answers toward them. The other objects of held-out scenes
+draw uniformly among their kind's training colours.
+
 Token layout of one example (byte-level text, model.vocab_size >= VOCAB_SIZE):
   BOS BOI IMG*P EOI <prompt bytes> <answer bytes> EOS PAD...
 with P = (S / patch)^2 placeholder ids (IMAGE_TOKEN), one per image patch,

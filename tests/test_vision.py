@@ -129,8 +129,8 @@ def test_heldout_compositions_never_appear_in_training():
 
 def test_training_colours_are_equally_frequent():
   """Over the objects of training scenes every colour is 1/6 (uniform per
-  kind would give magenta and cyan, allowed for every kind, 0.21 and the
-  others 0.15); held-out scenes draw their other objects as before."""
+  kind would give magenta and cyan, allowed for every kind, 1/5 each and
+  the others 3/20)."""
   for kind, (colours, weights) in vd.TRAIN_COLOURS.items():
     want = [1 / 6 if all((k, c) not in vd.HELD_OUT_PAIRS for k in vd.KINDS)
             else 2 / 9 for c in colours]

@@ -80,6 +80,7 @@ QUADRANTS = ("top left", "top right", "bottom left", "bottom right")
 SIZES = ("small", "large")
 HELD_OUT_PAIRS = frozenset({("circle", "green"), ("square", "blue"),
                             ("triangle", "red"), ("digit", "yellow")})
+SPLITS = {"train": 0, "heldout": 1}
 
 
 def balanced_colour_weights(kinds, colours, held_out
@@ -91,15 +92,16 @@ def balanced_colour_weights(kinds, colours, held_out
   solve sum_c w[k, c] = 1 per kind and sum_k w[k, c] = len(kinds) /
   len(colours) per colour, w >= 0 and 0 on held-out pairs: the solution of
   maximum entropy, by iterative proportional fitting from uniform weights
-  (symmetric sets give symmetric weights). Raises ValueError naming the
-  colours at fault when no such weights exist.
+  (symmetric sets give symmetric weights). Raises ValueError when no such
+  weights exist (naming colours that too few kinds allow) or when they all
+  need a weight of 0 on a pair a kind allows.
   """
   kinds, colours = tuple(kinds), tuple(colours)
   allowed = np.array([[(k, c) not in held_out for c in colours]
                       for k in kinds])
   share = len(kinds) / len(colours)  # each colour's total weight
-  # Weights exist iff every set of colours gets no more than its kinds can
-  # give (Gale's supply-demand condition), one kind giving 1 in all.
+  # Weights exist iff no set of colours needs more than the kinds allowing
+  # any of them can give, 1 each (Gale's supply-demand condition).
   for subset in range(1, 1 << len(colours)):
     cols = [j for j in range(len(colours)) if subset >> j & 1]
     givers = allowed[:, cols].any(1).sum()
@@ -127,7 +129,6 @@ def balanced_colour_weights(kinds, colours, held_out
 # Training colour draw per kind: every colour equally frequent (magenta and
 # cyan, held out with no kind, weigh 1/6 per kind; the others 2/9).
 TRAIN_COLOURS = balanced_colour_weights(KINDS, COLOURS, HELD_OUT_PAIRS)
-SPLITS = {"train": 0, "heldout": 1}
 
 # Answers each question type can have on held-out scenes (for chance).
 ANSWERS = {

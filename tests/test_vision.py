@@ -127,6 +127,29 @@ def test_heldout_compositions_never_appear_in_training():
     assert held_k < seen_k and held_c < seen_c
 
 
+def test_training_colours_are_equally_frequent():
+  """Over the objects of training scenes every colour is 1/6 (uniform per
+  kind would give magenta and cyan, allowed for every kind, 1/5 each and
+  the others 3/20)."""
+  for kind, (colours, weights) in vd.TRAIN_COLOURS.items():
+    want = [1 / 6 if all((k, c) not in vd.HELD_OUT_PAIRS for k in vd.KINDS)
+            else 2 / 9 for c in colours]
+    np.testing.assert_allclose(weights, want, rtol=1e-9)
+    assert kind in vd.KINDS and not {(kind, c) for c in colours} & \
+        vd.HELD_OUT_PAIRS
+  colours = [o.colour for i in range(2000)
+             for o in vd.make_scene_example(1, "train", i, "colour",
+                                            S).objects]
+  assert len(colours) > 3500
+  freq = np.array([colours.count(c) for c in vd.COLOURS]) / len(colours)
+  np.testing.assert_allclose(freq, 1 / 6, atol=0.025)  # 4 sigma
+  # No weights make every colour equal when colours are left to too few
+  # kinds: y and z need 2/3 each, and only kind b (weight 1) has them.
+  with pytest.raises(ValueError, match=r"colours \['y', 'z'\] to 1 kind"):
+    vd.balanced_colour_weights(("a", "b"), ("x", "y", "z"),
+                               {("a", "y"), ("a", "z"), ("b", "x")})
+
+
 def test_colour_question_names_the_object_by_position_or_kind():
   """Same scene either way; only the question's wording changes."""
   for i in range(20):

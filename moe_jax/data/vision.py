@@ -24,6 +24,15 @@ image scores 0, below chance). Named by position, every colour stays a
 possible answer, and the question tests reading the colour of a
 composition never seen. colour_question='kind' keeps the kind-named form.
 
+Colours of training objects: each kind draws among its five training
+colours with weights (TRAIN_COLOURS) that make all six colours equally
+frequent over training objects when kinds are (as in colour, position,
+larger and caption scenes): magenta and cyan, held out with no kind, 1/6
+each; the others 2/9. Drawn uniformly per kind, magenta and cyan would be a
+third more frequent than the other four, an answer prior that pulls
+held-out colour answers toward them. The other objects of held-out scenes
+draw uniformly among their kind's training colours.
+
 Token layout of one example (byte-level text, model.vocab_size >= VOCAB_SIZE):
   BOS BOI IMG*P EOI <prompt bytes> <answer bytes> EOS PAD...
 with P = (S / patch)^2 placeholder ids (IMAGE_TOKEN), one per image patch,
@@ -72,6 +81,54 @@ SIZES = ("small", "large")
 HELD_OUT_PAIRS = frozenset({("circle", "green"), ("square", "blue"),
                             ("triangle", "red"), ("digit", "yellow")})
 SPLITS = {"train": 0, "heldout": 1}
+
+
+def balanced_colour_weights(kinds, colours, held_out
+                            ) -> dict[str, tuple[tuple[str, ...], np.ndarray]]:
+  """Per kind, (its training colours, probabilities) with every colour
+  equally frequent over kinds that are equally frequent.
+
+  A kind's training colours are those not held out with it. The weights
+  solve sum_c w[k, c] = 1 per kind and sum_k w[k, c] = len(kinds) /
+  len(colours) per colour, w >= 0 and 0 on held-out pairs: the solution of
+  maximum entropy, by iterative proportional fitting from uniform weights
+  (symmetric sets give symmetric weights). Raises ValueError when no such
+  weights exist (naming colours that too few kinds allow) or when they all
+  need a weight of 0 on a pair a kind allows.
+  """
+  kinds, colours = tuple(kinds), tuple(colours)
+  allowed = np.array([[(k, c) not in held_out for c in colours]
+                      for k in kinds])
+  share = len(kinds) / len(colours)  # each colour's total weight
+  # Weights exist iff no set of colours needs more than the kinds allowing
+  # any of them can give, 1 each (Gale's supply-demand condition).
+  for subset in range(1, 1 << len(colours)):
+    cols = [j for j in range(len(colours)) if subset >> j & 1]
+    givers = allowed[:, cols].any(1).sum()
+    if len(cols) * share > givers + 1e-9:
+      raise ValueError(
+          f"HELD_OUT_PAIRS leave colours {[colours[j] for j in cols]} to "
+          f"{givers} kind(s), too few for each colour to be "
+          f"{1 / len(colours):.3f} of the training objects; hold out fewer "
+          "pairs of these colours")
+  w = allowed.astype(np.float64)
+  for _ in range(10_000):
+    w /= w.sum(1, keepdims=True)
+    w *= share / w.sum(0, keepdims=True)
+    if np.abs(w.sum(1) - 1).max() < 1e-12:
+      break
+  w /= w.sum(1, keepdims=True)
+  if np.abs(w.sum(0) - share).max() > 1e-6:
+    raise ValueError(
+        "HELD_OUT_PAIRS: equal colour frequencies need a weight of 0 on a "
+        "colour a kind allows; hold out fewer pairs")
+  return {k: (tuple(c for c, a in zip(colours, allowed[i]) if a),
+              w[i][allowed[i]]) for i, k in enumerate(kinds)}
+
+
+# Training colour draw per kind: every colour equally frequent (magenta and
+# cyan, held out with no kind, weigh 1/6 per kind; the others 2/9).
+TRAIN_COLOURS = balanced_colour_weights(KINDS, COLOURS, HELD_OUT_PAIRS)
 
 # Answers each question type can have on held-out scenes (for chance).
 ANSWERS = {
@@ -181,27 +238,33 @@ def render(objects, image_size: int, rng: np.random.Generator) -> np.ndarray:
 # ----------------------------------------------------------------------------
 
 
-def _random_object(rng, kind: str, quadrant: int, held_out: bool | None,
-                   size: str | None = None) -> SceneObject:
-  """held_out: True = a held-out pair, False = never one, None = train rule."""
-  colours = list(COLOURS)
+def _random_object(rng, kind: str, quadrant: int, held_out: bool,
+                   balanced: bool, size: str | None = None) -> SceneObject:
+  """held_out: the kind's held-out colour, else one of its training colours,
+  drawn with TRAIN_COLOURS' weights when balanced (training scenes) or
+  uniformly (the other objects of held-out scenes)."""
+  colours, weights = TRAIN_COLOURS[kind]
   if held_out:
     colour = next(c for k, c in HELD_OUT_PAIRS if k == kind)
+  elif balanced:
+    colour = rng.choice(colours, p=weights)
   else:
-    colour = rng.choice([c for c in colours if (kind, c) not in HELD_OUT_PAIRS])
+    colour = rng.choice(colours)
   return SceneObject(kind=kind, colour=str(colour),
                      size=size or str(rng.choice(SIZES)), quadrant=quadrant,
                      digit=str(rng.integers(10)) if kind == "digit" else "")
 
 
-def _fill(rng, objects: list, exclude_kinds, n_total: int) -> list:
-  """Adds training-rule objects of kinds not in exclude_kinds up to n_total."""
+def _fill(rng, objects: list, exclude_kinds, n_total: int,
+          balanced: bool) -> list:
+  """Adds objects of training pairs and kinds not in exclude_kinds up to
+  n_total (colours as _random_object's)."""
   free = [q for q in range(4) if q not in {o.quadrant for o in objects}]
   rng.shuffle(free)
   kinds = [k for k in KINDS if k not in exclude_kinds]
   while len(objects) < n_total and free and kinds:
     objects.append(_random_object(rng, str(rng.choice(kinds)), free.pop(),
-                                  False))
+                                  False, balanced))
   return objects
 
 
@@ -227,14 +290,14 @@ def make_scene_example(seed: int, split: str, index: int, qtype: str,
   if qtype == "count":
     kind = str(rng.choice(KINDS[:3]))
     n = int(rng.integers(1 if held else 0, 4))
-    objs = [_random_object(rng, kind, int(quads[i]), held and i == 0)
-            for i in range(n)]
-    objs = _fill(rng, objs, (kind,), min(4, n + max(extra, 1 - n)))
+    objs = [_random_object(rng, kind, int(quads[i]), held and i == 0,
+                           not held) for i in range(n)]
+    objs = _fill(rng, objs, (kind,), min(4, n + max(extra, 1 - n)), not held)
     prompt, answer = f"how many {_plural(kind)}?", str(n)
   elif qtype in ("colour", "position", "digit"):
     kind = "digit" if qtype == "digit" else str(rng.choice(KINDS))
-    target = _random_object(rng, kind, int(quads[0]), held)
-    objs = _fill(rng, [target], (kind,), 1 + extra)
+    target = _random_object(rng, kind, int(quads[0]), held, not held)
+    objs = _fill(rng, [target], (kind,), 1 + extra, not held)
     if qtype == "colour":
       if colour_question == "kind":
         prompt = f"what colour is the {kind}?"
@@ -252,17 +315,17 @@ def make_scene_example(seed: int, split: str, index: int, qtype: str,
   elif qtype == "larger":
     a, b = (str(k) for k in rng.choice(KINDS, 2, replace=False))
     big = int(rng.integers(2))
-    pair = [_random_object(rng, k, int(quads[i]), held and i == 0,
+    pair = [_random_object(rng, k, int(quads[i]), held and i == 0, not held,
                            size="large" if i == big else "small")
             for i, k in enumerate((a, b))]
-    objs = _fill(rng, pair, (a, b), 2 + min(extra, 1))
+    objs = _fill(rng, pair, (a, b), 2 + min(extra, 1), not held)
     first, second = (a, b) if rng.integers(2) else (b, a)
     prompt = f"which is larger, the {first} or the {second}?"
     answer = (a, b)[big]
   elif qtype == "caption":
     kind = str(rng.choice(KINDS))
-    objs = _fill(rng, [_random_object(rng, kind, int(quads[0]), held)], (),
-                 1 + extra)
+    objs = _fill(rng, [_random_object(rng, kind, int(quads[0]), held,
+                                      not held)], (), 1 + extra, not held)
     prompt, answer = "describe the image.", caption(objs)
   else:
     raise ValueError(f"question type must be one of {list(QUESTION_TYPES)}, "

@@ -99,15 +99,13 @@ def time_one(shape: str, matmul: str, iters: int, tuning: str = "") -> dict:
   # leak into this one.
   expert_parallel.gmm = gmm
   expert_parallel.MOSAIC_TUNING = Tuning(kernel="mosaic")
-  if matmul == "mosaic":
-    expert_parallel.MOSAIC_TUNING = Tuning(kernel="mosaic")
-    if tuning:
-      bm, bn, steps, *tg = (int(v) for v in tuning.split(":"))
-      tbk, tbn = tg or (bm, bn)
-      expert_parallel.MOSAIC_TUNING = Tuning(
-          kernel="mosaic", block_m=bm, block_n=bn, mosaic_steps=steps,
-          tgmm_block_k=tbk, tgmm_block_n=tbn)
-  elif tuning:
+  if matmul == "mosaic" and tuning:
+    bm, bn, steps, *tg = (int(v) for v in tuning.split(":"))
+    tbk, tbn = tg or (bm, bn)
+    expert_parallel.MOSAIC_TUNING = Tuning(
+        kernel="mosaic", block_m=bm, block_n=bn, mosaic_steps=steps,
+        tgmm_block_k=tbk, tgmm_block_n=tbn)
+  elif matmul != "mosaic" and tuning:
     fields = tuning.split(":")
     bm, bn, bk, nw, ns = (int(v) for v in fields[:5])
     expert_parallel.gmm = functools.partial(gmm, tuning=Tuning(

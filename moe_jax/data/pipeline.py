@@ -428,9 +428,8 @@ def make_datasets(data_config: Any, process_index: int = 0,
   if packing == "documents" and source != "stdlib":
     raise ValueError(f"data.packing='documents' needs data.source='stdlib' "
                      f"(its documents are the corpus's files), got {source!r}")
-  retrieval_kwargs(data_config)  # Checked before the corpus loads.
-  if (_get(data_config, "retrieval_fraction", 0.0) or 0.0) > 0 and (
-      source != "stdlib"):
+  # Checked before the corpus loads; empty at retrieval_fraction 0.
+  if retrieval_kwargs(data_config) and source != "stdlib":
     raise ValueError(f"data.retrieval_fraction > 0 needs data.source='stdlib' "
                      f"(its documents are bytes), got {source!r}")
   _check_process(batch_size, process_index, process_count)

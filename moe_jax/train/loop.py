@@ -35,8 +35,7 @@ from moe_jax.config_validation import (ConfigError, check_resume_config,
 from moe_jax.curriculum import Stage, stages_of, warmup_restarts
 from moe_jax.data import (TokenBatcher, eval_batches, make_datasets,
                           unigram_bits_per_byte)
-from moe_jax.data.pipeline import batcher_kwargs
-from moe_jax.data.pipeline import packing_kwargs
+from moe_jax.data.pipeline import batcher_kwargs, packing_kwargs
 from moe_jax.data.vision import VisionData
 from moe_jax.eval import long_context
 from moe_jax.eval.evaluate import evaluate

@@ -269,12 +269,9 @@ def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     [M, N] in x.dtype (fp32 accumulation). Differentiable in x and w.
   """
   check_operands(x, w, group_sizes, transpose_rhs)
-  tuning = tuning or Tuning()
-  if tuning.kernel == "mosaic":
-    n = w.shape[1] if transpose_rhs else w.shape[2]
-    mosaic.check_mosaic(x.dtype, x.shape[1], n, tuning)
-  return _gmm(x, w, group_sizes.astype(jnp.int32), transpose_rhs, tuning,
-              interpret)
+  # Tuning(kernel="mosaic"): gmm_mosaic / tgmm_mosaic check their limits.
+  return _gmm(x, w, group_sizes.astype(jnp.int32), transpose_rhs,
+              tuning or Tuning(), interpret)
 
 
 def tgmm(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *,
@@ -283,8 +280,5 @@ def tgmm(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *,
   if x.ndim != 2 or dy.ndim != 2 or x.shape[0] != dy.shape[0]:
     raise ValueError(f"tgmm takes x [M, K] and dy [M, N], got x {x.shape} "
                      f"and dy {dy.shape}")
-  tuning = tuning or Tuning()
-  if tuning.kernel == "mosaic":
-    mosaic.check_mosaic(x.dtype, x.shape[1], dy.shape[1], tuning, "tgmm")
-  return _tgmm_call(x, dy, group_sizes.astype(jnp.int32), _F32, tuning,
-                    interpret)
+  return _tgmm_call(x, dy, group_sizes.astype(jnp.int32), _F32,
+                    tuning or Tuning(), interpret)

@@ -82,8 +82,9 @@ def base_config() -> ml_collections.ConfigDict:
   mla.v_head_dim = 32
   mla.rope_theta = 10000.0
   # auto | xla | cudnn (jax.nn.dot_product_attention) | pallas | interpret
-  # (the flash kernel with segment ids; "auto" takes it for packed documents
-  # on a GPU).
+  # (the flash kernel with segment ids). "auto" on a GPU: cuDNN where it
+  # takes the dtype and head width, else the flash kernel (always for packed
+  # documents); XLA on CPU.
   mla.attention_impl = "auto"
 
   moe = m.moe = ml_collections.ConfigDict()

@@ -9,8 +9,11 @@ and an optional decoupled rotary part shared by all heads' keys
 elementwise by sigmoid(W_gate x) before W_o.
 
 Which attention runs where (model.mla.attention_impl):
-- one sequence per row (no segment_ids): jax.nn.dot_product_attention, "auto"
-  letting JAX choose (cuDNN flash on a GPU, XLA on CPU);
+- one sequence per row (no segment_ids): on a GPU, "auto" runs cuDNN's flash
+  attention (bf16/fp16, padded head width a multiple of 8 and at most 128,
+  256 on Hopper), else the Pallas flash kernel, so memory stays O(T). JAX's
+  own default for jax.nn.dot_product_attention is XLA, whose [B, H, T, T]
+  scores do not fit long sequences. On CPU "auto" runs XLA;
 - packed documents (segment_ids): the mask is causal AND same document. On a
   GPU, "auto" runs a Pallas flash kernel that reads the ids per tile
   (pallas_kernels/flash_attention.py), so memory stays O(T); cuDNN is not
@@ -280,7 +283,7 @@ class GatedMLA(nn.Module):
       q = jnp.concatenate([q[..., :dn], q_rope], axis=-1)
       k = jnp.concatenate([k, jnp.broadcast_to(k_rope, (b, t, h, dr))], -1)
 
-    impl = self._resolved_impl(segment_ids is not None)
+    impl = self._resolved_impl(segment_ids is not None, q.dtype)
     if impl in ("pallas", "interpret"):
       o = flash_attention(q, k, v, segment_ids, scale=dqk ** -0.5,
                           interpret=impl == "interpret")
@@ -300,14 +303,16 @@ class GatedMLA(nn.Module):
         implementation=impl)
     return o[..., :dv].reshape(b, t, h * dv)
 
-  def _resolved_impl(self, packed: bool) -> str | None:
+  def _resolved_impl(self, packed: bool, dtype=jnp.bfloat16) -> str:
     """The attention that `_attention` runs: "pallas" | "interpret" (the
     flash kernel), else the `implementation` of jax.nn.dot_product_attention
-    (None = its own choice: cuDNN on a GPU, XLA elsewhere).
+    ("cudnn" | "xla").
 
-    "auto" with packed documents takes the flash kernel on a GPU when it
-    fits the head dims, else the XLA path with a dense same-document mask,
-    which is also what "xla" and "cudnn" run with packed documents.
+    "auto" on a GPU: cuDNN for one sequence per row where it takes the
+    dtype and head width, else the flash kernel where it fits the head
+    width; with packed documents the flash kernel (cuDNN's masked path is
+    not verified for the same-document mask). Everywhere else, and as the
+    last resort, XLA ([B, H, T, T] scores; a dense mask when packed).
     """
     impl = self.attention_impl
     if impl not in ATTENTION_IMPLS:
@@ -322,11 +327,28 @@ class GatedMLA(nn.Module):
             f"widths up to {MAX_HEAD_WIDTH}, got q/k {dqk} and v {dv} "
             "(padded to a power of two); use 'auto', 'xla' or 'cudnn'")
       return impl
-    if packed:
-      if impl == "auto" and fits and jax.default_backend() == "gpu":
-        return "pallas"
+    if packed and impl in ("xla", "cudnn"):
       return "xla"
-    return None if impl == "auto" else impl
+    if impl != "auto":
+      return impl
+    if jax.default_backend() != "gpu":
+      return "xla"
+    if not packed and cudnn_takes(dtype, max(dqk, dv)):
+      return "cudnn"
+    return "pallas" if fits else "xla"
+
+
+def cudnn_takes(dtype, width: int) -> bool:
+  """Whether cuDNN's flash attention takes this dtype and (padded) head
+  width on this GPU: bf16 or fp16, a multiple of 8, at most 128 (256 from
+  compute capability 9.0, Hopper)."""
+  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return False
+  try:
+    major = int(str(jax.devices()[0].compute_capability).split(".")[0])
+  except (AttributeError, ValueError):
+    major = 0
+  return width % 8 == 0 and width <= (256 if major >= 9 else 128)
 
 
 class _DenseKernel(nn.Module):

@@ -34,7 +34,11 @@ is the card's dense bf16 rate (printed with the card's name).
       --grouped_matmuls=pallas --out=/tmp/bench_unpacked
 
 Writes OUT/rows.jsonl (one JSON row each, losses included), OUT/table.md,
-and with --profile OUT/<row>/ (a jax.profiler trace) and OUT/top_ops.md.
+per row OUT/<row>.log (its process's stderr) and OUT/<row>.progress.jsonl
+(setup, compile and each step as they finish), and with --profile
+OUT/<row>/ (a jax.profiler trace) and OUT/top_ops.md. On a GPU whose time is
+rationed, give each row --row_timeout: a row that runs out of it is reported
+with the phases and steps it finished, and the next row still runs.
 """
 from __future__ import annotations
 
@@ -47,7 +51,8 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from experiments.step_timing import row_name, run_row, table, top_ops
+from experiments.step_timing import (describe_error, partial_row, row_name,
+                                    run_row, table, top_ops)
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/gpu_small.py", "Config file (path.py[:variants]).",
@@ -74,6 +79,9 @@ _PEAK = flags.DEFINE_float("peak_tflops", 0.0, "Dense bf16 peak of the card; "
                            "0 = from its name (H100 / H200: 989).")
 _OUT = flags.DEFINE_string("out", "/tmp/bench_train_step", "Output folder.")
 _ISOLATE = flags.DEFINE_bool("isolate", True, "One process per row.")
+_ROW_TIMEOUT = flags.DEFINE_integer(
+    "row_timeout", 0, "Seconds a row's process may run (0: no limit). A row "
+    "stopped by it is reported with the phases and steps it finished.")
 _ROW = flags.DEFINE_string("row", "", "Internal: run this one row (JSON).")
 
 def row_specs(config) -> list[dict]:
@@ -92,6 +100,45 @@ def row_specs(config) -> list[dict]:
   return rows
 
 
+def _progress_file(r: dict) -> str:
+  return os.path.join(_OUT.value, row_name(r) + ".progress.jsonl")
+
+
+def _run_isolated(r: dict, name: str) -> dict:
+  """Runs one row in a child process (stderr to OUT/<row>.log) within
+  --row_timeout; a row that fails or runs out of time still reports the
+  phases and steps it finished."""
+  cmd = [sys.executable, "-m", "experiments.bench_train_step",
+         f"--row={json.dumps(r)}"] + [
+             a for a in sys.argv[1:] if not a.startswith("--row")]
+  progress, log = _progress_file(r), os.path.join(_OUT.value,
+                                                  row_name(r) + ".log")
+  if os.path.exists(progress):
+    os.remove(progress)
+  with open(log, "w") as err_file:
+    try:
+      proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err_file,
+                            text=True, timeout=_ROW_TIMEOUT.value or None)
+    except subprocess.TimeoutExpired:
+      res = partial_row(dict(r, config=name), progress,
+                        f"timed out after {_ROW_TIMEOUT.value} s")
+      print("   " + describe_error(res), flush=True)
+      return res
+  last = (proc.stdout.strip().splitlines() or [""])[-1]
+  try:
+    return json.loads(last)
+  except json.JSONDecodeError:
+    with open(log) as f:
+      err = f.read().strip().splitlines()
+    oom = any("RESOURCE_EXHAUSTED" in ln or "out of memory" in ln.lower()
+              for ln in err)
+    res = partial_row(dict(r, config=name), progress,
+                      "out of memory" if oom else "failed")
+    print("   " + describe_error(res), flush=True)
+    print("   " + (err[-1] if err else "no output")[:300], flush=True)
+    return res
+
+
 def main(argv):
   del argv
   config = _CONFIG.value
@@ -101,28 +148,14 @@ def main(argv):
     r = json.loads(_ROW.value)
     prof = os.path.join(_OUT.value, row_name(r)) if _PROFILE.value else None
     print(json.dumps(run_row(config, r, _STEPS.value, _WARMUP.value, prof,
-                             name, _PEAK.value)))
+                             name, _PEAK.value, _progress_file(r))))
     return
   os.makedirs(_OUT.value, exist_ok=True)
   rows = []
   for r in row_specs(config):
     print(f"== {row_name(r)} (batch {r['batch']})", flush=True)
     if _ISOLATE.value:
-      cmd = [sys.executable, "-m", "experiments.bench_train_step",
-             f"--row={json.dumps(r)}"] + [
-                 a for a in sys.argv[1:] if not a.startswith("--row")]
-      proc = subprocess.run(cmd, capture_output=True, text=True)
-      last = (proc.stdout.strip().splitlines() or [""])[-1]
-      try:
-        res = json.loads(last)
-      except json.JSONDecodeError:
-        err = proc.stderr.strip().splitlines()
-        oom = any("RESOURCE_EXHAUSTED" in ln or "out of memory" in ln.lower()
-                  for ln in err)
-        res = dict(r, error="out of memory" if oom else "failed")
-        with open(os.path.join(_OUT.value, row_name(r) + ".err"), "w") as f:
-          f.write(proc.stderr)
-        print("   " + (err[-1] if err else "no output")[:300], flush=True)
+      res = _run_isolated(r, name)
     else:
       prof = (os.path.join(_OUT.value, row_name(r)) if _PROFILE.value
               else None)

@@ -6,6 +6,7 @@ can import it beside other experiment modules without their flags clashing.
 """
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import time
@@ -44,8 +45,20 @@ def configure(config, r: dict):
 
 
 def run_row(config, r: dict, steps: int, warmup: int, profile_dir: str | None,
-            config_name: str = "", peak_override: float = 0.0) -> dict:
-  """Compiles and times one row in this process; returns its JSON row."""
+            config_name: str = "", peak_override: float = 0.0,
+            progress: str | None = None) -> dict:
+  """Compiles and times one row in this process; returns its JSON row.
+
+  progress: a file that gets one JSON line per finished phase ({"phase":
+  "setup" | "compile", "s": seconds}) and per step ({"step": i, "ms": ...,
+  "loss": ...}) as they happen, so a row stopped by a time limit still
+  says where its time went (`partial_row`).
+  """
+  def note(**kv):
+    if progress:
+      with open(progress, "a") as f:
+        f.write(json.dumps(kv) + "\n")
+  t_start = time.perf_counter()
   import jax
   import numpy as np
   from moe_jax import sharding
@@ -65,9 +78,13 @@ def run_row(config, r: dict, steps: int, warmup: int, profile_dir: str | None,
   def put(b):
     return sharding.shard_batch(b, batch_sh, c.data.batch_size)
 
+  jax.block_until_ready(state)
+  setup_s = time.perf_counter() - t_start
+  note(phase="setup", s=setup_s)
   t0 = time.perf_counter()
   compiled = step_fn.lower(state, put(batches[0])).compile()
   compile_s = time.perf_counter() - t0
+  note(phase="compile", s=compile_s)
   losses, times = [], []
   for i, b in enumerate(batches):
     b = put(b)
@@ -77,6 +94,7 @@ def run_row(config, r: dict, steps: int, warmup: int, profile_dir: str | None,
     loss = float(metrics["loss"])   # waits for the step
     times.append(time.perf_counter() - t0)
     losses.append(loss)
+    note(step=i, ms=1e3 * times[-1], loss=loss)
   if profile_dir:
     b = put(batches[-1])
     with jax.profiler.trace(profile_dir):
@@ -101,7 +119,7 @@ def run_row(config, r: dict, steps: int, warmup: int, profile_dir: str | None,
            if peak else None),
       peak_gib=(mem["peak_bytes_in_use"] / 2**30
                 if "peak_bytes_in_use" in mem else None),
-      compile_s=compile_s, params=n_params, losses=losses,
+      setup_s=setup_s, compile_s=compile_s, params=n_params, losses=losses,
       step_ms_all=[1e3 * t for t in times])
 
 
@@ -137,6 +155,35 @@ def top_ops(trace_dir: str, top: int) -> list[tuple[str, float, int]]:
   return [(name, ms, count[name]) for name, ms in ranked]
 
 
+def partial_row(r: dict, progress: str, error: str) -> dict:
+  """The row of a child process that did not finish: `error`, plus the
+  phases and steps its progress file recorded (setup_s, compile_s, losses,
+  step_ms_all)."""
+  out = dict(r, error=error)
+  events = []
+  if os.path.exists(progress):
+    with open(progress) as f:
+      events = [json.loads(line) for line in f if line.strip()]
+  for e in events:
+    if "phase" in e:
+      out[f"{e['phase']}_s"] = e["s"]
+  steps = [e for e in events if "step" in e]
+  if steps:
+    out["losses"] = [e["loss"] for e in steps]
+    out["step_ms_all"] = [e["ms"] for e in steps]
+  return out
+
+
+def describe_error(r: dict) -> str:
+  """The error with where the row's time went: setup, compile, steps."""
+  done = [f"{k[:-2]} {r[k]:.0f} s" for k in ("setup_s", "compile_s")
+          if k in r]
+  if r.get("step_ms_all"):
+    ms = ", ".join(f"{v:.0f}" for v in r["step_ms_all"])
+    done.append(f"steps {ms} ms")
+  return r["error"] + (f" ({'; '.join(done)})" if done else "")
+
+
 def table(rows: list[dict]) -> str:
   """Markdown table of the rows (loss gap: to the previous row, same T)."""
   head = ("| config | T x B | kda | attention | gmm | remat | step ms | "
@@ -148,7 +195,7 @@ def table(rows: list[dict]) -> str:
             f"{r['backend']} | {r['attention']} | {r['grouped_matmul']} | "
             f"{r['remat']} ")
     if "error" in r:
-      out.append(lead + f"| {r['error']} |" + " |" * 6)
+      out.append(lead + f"| {describe_error(r)} |" + " |" * 6)
       continue
     gap = ""
     p = prev.get(r["seq_len"])

@@ -178,6 +178,7 @@ def base_config() -> ml_collections.ConfigDict:
   # > 0: at each stage's end, loss against position and passkey accuracy up
   # to this many times the stage's seq_len ("long_context" metrics rows).
   cu.stage_end_factor = 0
+  cu.stage_end_stages = "every"  # every | last: which stages end with it
 
   # ----- device mesh (docs/design.md §8; moe_jax.sharding) -----
   me = c.mesh = ml_collections.ConfigDict()

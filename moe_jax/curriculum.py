@@ -15,7 +15,8 @@ stages' steps (the learning-rate schedule runs over the whole ladder);
 curriculum.stage_warmup_steps > 0 ramps the learning rate up again at the
 start of every stage after the first; curriculum.stage_end_factor > 0
 measures the extrapolation to that many times each stage's length at its
-end (moe_jax.eval.long_context.stage_end_metrics).
+end (moe_jax.eval.long_context.stage_end_metrics), at every stage's end or,
+with curriculum.stage_end_stages="last", only at the last one's.
 
 config_validation calls `stages_of`; both raise moe_jax.config_error's
 ConfigError.
@@ -28,6 +29,7 @@ import ml_collections
 
 from moe_jax.config_error import ConfigError
 
+STAGE_END_STAGES = ("every", "last")
 FORMAT = ("comma-separated seq_len:steps or seq_len:steps:batch_size with "
           "seq_len strictly increasing, e.g. '256:200,1024:60,4096:20'")
 
@@ -133,11 +135,26 @@ def stages_of(config: ml_collections.ConfigDict) -> list[Stage]:
   if isinstance(factor, bool) or not isinstance(factor, int) or factor < 0:
     raise ConfigError("curriculum.stage_end_factor must be an integer >= 0 "
                       f"(0 = off), got {factor!r}")
+  which = cur.get("stage_end_stages", "every")
+  if which not in STAGE_END_STAGES:
+    raise ConfigError(f"curriculum.stage_end_stages must be one of "
+                      f"{list(STAGE_END_STAGES)}, got {which!r}")
   warmup = cur.get("stage_warmup_steps", 0)
   if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
     raise ConfigError("curriculum.stage_warmup_steps must be an integer >= 0,"
                       f" got {warmup!r}")
   return stages
+
+
+def stage_end_eval_due(config: ml_collections.ConfigDict,
+                       stages: list[Stage], stage: Stage) -> bool:
+  """Whether `stage` ends with the length-extrapolation evaluation:
+  curriculum.stage_end_factor > 0, and the stage is the last one or
+  curriculum.stage_end_stages is "every"."""
+  cur = config.curriculum
+  return bool(cur.stage_end_factor) and (
+      cur.get("stage_end_stages", "every") == "every"
+      or stage.index == stages[-1].index)
 
 
 def stage_at(stages: list[Stage], step: int) -> Stage:

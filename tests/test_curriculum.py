@@ -15,7 +15,7 @@ import pytest
 
 from conftest import assert_config_error, load_config, set_field
 from moe_jax.config_validation import ConfigError, validate_config
-from moe_jax.curriculum import Stage, stage_at, stages_of
+from moe_jax.curriculum import Stage, stage_at, stage_end_eval_due, stages_of
 from moe_jax.eval import long_context as lc
 from moe_jax.train import loop
 from moe_jax.train.checkpoint import Checkpointer
@@ -103,6 +103,9 @@ def test_stages_of_derives_batches_and_step_ranges():
      "train.microbatches=2"),
     ({"curriculum.stage_warmup_steps": -1},
      "curriculum.stage_warmup_steps must be an integer >= 0"),
+    ({"curriculum.stage_end_stages": "first"},
+     r"curriculum.stage_end_stages must be one of \['every', 'last'\], "
+     "got 'first'"),
 ])
 def test_bad_stages_are_clear_config_errors(overrides, match):
   config = _ladder_config()
@@ -110,6 +113,18 @@ def test_bad_stages_are_clear_config_errors(overrides, match):
     set_field(config, field, value)
   with pytest.raises(ConfigError, match=match):
     validate_config(config)
+
+
+def test_stage_end_evaluation_at_every_stage_or_the_last():
+  config = _ladder_config()
+  stages = stages_of(config)
+  assert [stage_end_eval_due(config, stages, s) for s in stages] == [True,
+                                                                     True]
+  config.curriculum.stage_end_stages = "last"
+  assert [stage_end_eval_due(config, stages, s) for s in stages] == [False,
+                                                                     True]
+  config.curriculum.stage_end_factor = 0
+  assert not any(stage_end_eval_due(config, stages, s) for s in stages)
 
 
 def test_explicit_batches_may_vary_tokens_when_allowed():

@@ -32,7 +32,8 @@ from absl import logging
 from moe_jax import sharding
 from moe_jax.config_validation import (ConfigError, check_resume_config,
                                        validate_config)
-from moe_jax.curriculum import Stage, stages_of, warmup_restarts
+from moe_jax.curriculum import (Stage, stage_end_eval_due, stages_of,
+                                warmup_restarts)
 from moe_jax.data import (TokenBatcher, eval_batches, make_datasets,
                           unigram_bits_per_byte)
 from moe_jax.data.pipeline import batcher_kwargs, packing_kwargs
@@ -440,7 +441,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
         if eval_now:
           result.update(run_eval(step, stage, eval_step, global_batch,
                                   answer_step))
-        if step == stage.end and config.curriculum.stage_end_factor:
+        if step == stage.end and stage_end_eval_due(config, stages, stage):
           run_stage_end_eval(step, stage)
         if save_now:
           ckpt.save(step, state, dict(train_iter.get_state(), **stage_rows),

@@ -29,7 +29,7 @@ setup(
         "gpu": ["jax[cuda13]>=0.10.0", "jax-triton>=0.3.0"],
         "notebooks": ["jupyter", "nbclient>=0.10", "nbformat>=5.9",
                       "ipykernel>=6.29", "matplotlib>=3.8"],
-        "test": ["pytest>=8.0", "nbclient>=0.10", "nbformat>=5.9",
+        "test": ["pytest>=8.0", "pytest-xdist>=3.5", "nbclient>=0.10", "nbformat>=5.9",
                  "ipykernel>=6.29", "matplotlib>=3.8"],
     },
 )

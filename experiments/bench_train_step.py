@@ -45,6 +45,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -116,15 +117,22 @@ def _run_isolated(r: dict, name: str) -> dict:
   if os.path.exists(progress):
     os.remove(progress)
   with open(log, "w") as err_file:
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err_file,
+                            text=True)
     try:
-      proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err_file,
-                            text=True, timeout=_ROW_TIMEOUT.value or None)
+      stdout, _ = proc.communicate(timeout=_ROW_TIMEOUT.value or None)
     except subprocess.TimeoutExpired:
       res = partial_row(dict(r, config=name), progress,
                         f"timed out after {_ROW_TIMEOUT.value} s")
       print("   " + describe_error(res), flush=True)
       return res
-  last = (proc.stdout.strip().splitlines() or [""])[-1]
+    finally:
+      # Killed or stopped (SIGTERM from an outer `timeout` included): the
+      # row's process must not keep the device for the rows after it.
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+  last = (stdout.strip().splitlines() or [""])[-1]
   try:
     return json.loads(last)
   except json.JSONDecodeError:
@@ -151,6 +159,9 @@ def main(argv):
                              name, _PEAK.value, _progress_file(r))))
     return
   os.makedirs(_OUT.value, exist_ok=True)
+  # SIGTERM (e.g. an outer `timeout`) unwinds, so the running row's process
+  # is killed with this one rather than left running on the device.
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
   rows = []
   for r in row_specs(config):
     print(f"== {row_name(r)} (batch {r['batch']})", flush=True)

@@ -9,14 +9,19 @@ from typing import Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import optax
 
 from moe_jax.balancing import STATS_COLLECTION, collect_loads
+from moe_jax.layers.pick import pick
 
 
 def token_cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-  """Cross-entropy per token in nats. logits [B,T,V] fp32, targets [B,T]."""
-  return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+  """Cross-entropy per token in nats. logits [B,T,V] fp32, targets [B,T].
+
+  logsumexp minus the target's logit, picked by a one-hot sum (`pick`): the
+  gradient is softmax minus the one-hot, with no scatter-add into [B,T,V].
+  """
+  picked = pick(logits, targets[..., None])[..., 0]
+  return jax.nn.logsumexp(logits, axis=-1) - picked
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array,

@@ -39,6 +39,7 @@ from moe_jax.balancing import (BALANCING_METHODS, QB_ESTIMATORS,
                                qb_exact_target, qb_histogram, qb_thresholds,
                                switch_aux_loss)
 from moe_jax.layers.param_axes import with_axes
+from moe_jax.layers.pick import pick
 
 
 def _validate(num_experts: int, top_k: int, balancing: str,
@@ -128,7 +129,7 @@ class Router(nn.Module):
     b = jax.lax.stop_gradient(bias.value.astype(jnp.float32))
     # Bias only picks experts; weights come from the unbiased scores.
     _, idx = jax.lax.top_k(s + b, k)                              # [N, k]
-    s_sel = jnp.take_along_axis(s, idx, axis=-1)                  # [N, k]
+    s_sel = pick(s, idx)                                          # [N, k]
     w = s_sel / (jnp.sum(s_sel, axis=-1, keepdims=True) + 1e-20)
     w = w * self.route_scale
     idx = idx.astype(jnp.int32)

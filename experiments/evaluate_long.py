@@ -28,6 +28,10 @@ with a validation split of more than 4M tokens, --config.data.val_path):
   python -m experiments.evaluate_long --workdir=runs/gs_ladder_unb \
       --factors=1,2,4 --samples=8
 and, per stage, --step=2000, 2500, 2700 (the stages' last steps).
+The same checkpoint with MLA's queries scaled past the training length
+(model.mla.logn_scale_len; the params do not change):
+  python -m experiments.evaluate_long --workdir=runs/gs_ladder \
+      --factors=1,2,4 --samples=8 --logn_scale_len=262144
 """
 from __future__ import annotations
 
@@ -39,9 +43,11 @@ import numpy as np
 from absl import app, flags, logging
 
 from experiments.generate import load_checkpoint
+from moe_jax.config_validation import validate_config
 from moe_jax.curriculum import stage_at, stages_of
 from moe_jax.data import make_datasets
 from moe_jax.eval import long_context as lc
+from moe_jax.model import build_model
 
 TASKS = ("loss", "passkey", "mqar")
 
@@ -49,7 +55,7 @@ TASKS = ("loss", "passkey", "mqar")
 def define_flags():
   """Defines the command's flags; only when it runs as a command."""
   global _WORKDIR, _STEP, _OUT, _TASKS, _FACTORS, _DEPTHS, _SAMPLES, \
-      _PAIRS, _SEED, _BATCH
+      _PAIRS, _SEED, _BATCH, _LOGN
   _WORKDIR = flags.DEFINE_string("workdir", "runs/default",
                                  "Training workdir (with checkpoints/).")
   _STEP = flags.DEFINE_integer("step", None,
@@ -66,6 +72,10 @@ def define_flags():
   _PAIRS = flags.DEFINE_list("mqar_pairs", ["4", "8", "16", "32"],
                              "MQAR key-value pair counts.")
   _SEED = flags.DEFINE_integer("seed", 0, "Generator seed.")
+  _LOGN = flags.DEFINE_integer(
+      "logn_scale_len", None, "Evaluate with model.mla.logn_scale_len set "
+      "to this (0 = off; e.g. the training length: MLA queries scaled by "
+      "log(p + 1) / log(L) past L); default as trained.")
   _BATCH = flags.DEFINE_integer(
       "batch_size", 1, "Sequences per forward (0 = all --samples of a cell "
       "at once; one compilation per length either way).")
@@ -92,8 +102,12 @@ def evaluate_long(workdir: str, *, step: int | None = None,
                   factors=(1, 2, 4, 8, 16),
                   depths=(0.0, 0.25, 0.5, 0.75, 1.0), samples: int = 8,
                   mqar_pairs=(4, 8, 16, 32), seed: int = 0,
-                  batch_size: int = 1) -> dict:
+                  batch_size: int = 1,
+                  logn_scale_len: int | None = None) -> dict:
   """Runs the tasks on a checkpoint; writes tables, JSON and figures.
+
+  logn_scale_len: model.mla.logn_scale_len for the evaluation (None: the
+    trained model's). The params do not depend on it.
 
   Returns:
     dict(step, train_len, out, loss (rows), passkey, mqar (grids as lists),
@@ -103,15 +117,22 @@ def evaluate_long(workdir: str, *, step: int | None = None,
   if unknown:
     raise ValueError(f"unknown tasks {unknown}; allowed: {list(TASKS)}")
   config, model, params, router_state, step = load_checkpoint(workdir, step)
+  if logn_scale_len is not None:
+    config.model.mla.logn_scale_len = logn_scale_len
+    validate_config(config)
+    model = build_model(config)
   train_len = train_length(config, step)
   out = out or os.path.join(workdir, "long_context", f"step_{step}")
   os.makedirs(out, exist_ok=True)
   scorer = lc.batched(lc.make_scorer(model, params, router_state),
                       batch_size)
   lengths = sorted({int(round(f * train_len)) for f in factors})
-  result = {"step": step, "train_len": train_len, "out": out, "figures": []}
+  logn = config.model.mla.get("logn_scale_len", 0)
+  result = {"step": step, "train_len": train_len, "out": out, "figures": [],
+            "logn_scale_len": logn}
   md = [f"# Length extrapolation of {workdir}, step {step}\n",
-        f"Training length {train_len}; lengths {lengths}.\n"]
+        f"Training length {train_len}; lengths {lengths}; MLA query "
+        f"log-n scaling past {logn or 'off'}.\n"]
 
   def figure(name, plot, *args):
     path = os.path.join(out, name)
@@ -164,7 +185,7 @@ def main(argv):
         factors=[float(f) for f in _FACTORS.value],
         depths=[float(d) for d in _DEPTHS.value], samples=_SAMPLES.value,
         mqar_pairs=[int(p) for p in _PAIRS.value], seed=_SEED.value,
-        batch_size=_BATCH.value)
+        batch_size=_BATCH.value, logn_scale_len=_LOGN.value)
   except ValueError as e:
     raise app.UsageError(str(e)) from e
   with open(os.path.join(res["out"], "long_context.md")) as f:

@@ -81,6 +81,11 @@ def base_config() -> ml_collections.ConfigDict:
   mla.qk_rope_head_dim = 0      # 0 = NoPE (the default: KDA layers carry position)
   mla.v_head_dim = 32
   mla.rope_theta = 10000.0
+  # > 0: queries at position p (0-based, in the row) scaled by
+  # max(1, log(p + 1) / log(L)), L this value (the training length): no
+  # change up to L, sharper attention beyond it (length extrapolation). A
+  # model trained without it can be evaluated with it. 0 = off.
+  mla.logn_scale_len = 0
   # auto | xla | cudnn (jax.nn.dot_product_attention) | pallas | interpret
   # (the flash kernel with segment ids). "auto" on a GPU: cuDNN where it
   # takes the dtype and head width, else the flash kernel (always for packed

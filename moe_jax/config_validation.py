@@ -136,6 +136,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         f"got {config.model.mla.qk_rope_head_dim}")
   _int_range(config, "model.mla.v_head_dim", 1)
   _float_range(config, "model.mla.rope_theta", 1.0)
+  _int_range(config, "model.mla.logn_scale_len", 0)
+  if config.model.mla.get("logn_scale_len", 0) == 1:
+    raise ConfigError("model.mla.logn_scale_len must be 0 (off) or >= 2 "
+                      "(log(1) = 0 divides), got 1")
   _one_of(config, "model.mla.attention_impl",
           ("auto", "xla", "cudnn", "pallas", "interpret"))
   mla = config.model.mla

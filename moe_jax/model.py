@@ -106,6 +106,7 @@ class HybridLM(nn.Module):
         kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
         v_head_dim=m.v_head_dim, q_lora_rank=m.q_lora_rank,
         qk_rope_head_dim=m.qk_rope_head_dim, rope_theta=m.rope_theta,
+        logn_scale_len=m.get("logn_scale_len", 0),
         attention_impl=m.attention_impl, mesh_axes=self._mesh_axes(),
         norm_eps=c.norm_eps, out_init_scale=out_scale, dtype=dtype,
         param_dtype=pdtype, name=f"layer_{i}_mla")

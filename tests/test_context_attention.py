@@ -25,8 +25,10 @@ RTOL, ATOL = 1e-4, 1e-5
 MLA_CONFIGS = {
     "nope": dict(num_heads=2, kv_lora_rank=8, qk_nope_head_dim=8,
                  v_head_dim=4),
-    "rope_qlora": dict(num_heads=2, kv_lora_rank=8, qk_nope_head_dim=4,
-                       v_head_dim=8, qk_rope_head_dim=4, q_lora_rank=6),
+    # + queries scaled from position 5 on (logn_scale_len).
+    "rope_qlora_logn": dict(num_heads=2, kv_lora_rank=8, qk_nope_head_dim=4,
+                            v_head_dim=8, qk_rope_head_dim=4, q_lora_rank=6,
+                            logn_scale_len=5),
 }
 
 

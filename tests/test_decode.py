@@ -32,12 +32,14 @@ OTHERS = {"model.residual": "standard", "model.mla.q_lora_rank": 8,
 
 
 @functools.cache
-def _tiny(rope: int = 0, others: bool = False, backend: str = "auto"):
+def _tiny(rope: int = 0, others: bool = False, backend: str = "auto",
+          logn: int = 0):
   """(model, params, router_state) of the tiny hybrid (KDA + MLA, Block
   AttnRes, MoE), random params and nonzero router biases (decode must read
-  them). numpy values: no init to compile."""
+  them). numpy values: no init to compile. logn: model.mla.logn_scale_len."""
   config = load_config("default.py", "tiny,smoke")
   config.model.mla.qk_rope_head_dim = rope
+  config.model.mla.logn_scale_len = logn
   for field, value in (OTHERS.items() if others else ()):
     set_field(config, field, value)
   if backend != "auto":  # the Pallas kernels run at their chunk, 64
@@ -55,8 +57,11 @@ def _tiny(rope: int = 0, others: bool = False, backend: str = "auto"):
           jax.tree.map(fill, shapes["router_state"]))
 
 
-@pytest.fixture(scope="module", params=[(0, False), (8, False), (4, True)],
-                ids=["nope", "rope", "rope_others"])
+# rope_others_logn: queries scaled from position 6 on (in the prefill and in
+# every step).
+@pytest.fixture(scope="module", params=[(0, False), (8, False),
+                                        (4, True, "auto", 6)],
+                ids=["nope", "rope", "rope_others_logn"])
 def tiny(request):
   return _tiny(*request.param)
 

@@ -187,6 +187,16 @@ def test_cli_core_evaluates_a_tiny_checkpoint(smoke_run, tmp_path):
   pytest.importorskip("matplotlib")
   assert sorted(os.path.basename(p) for p in res["figures"]) == [
       "loss_by_position.png", "mqar.png", "passkey.png"]
+  # The same checkpoint with MLA queries scaled past the training length:
+  # the same loss up to 32 tokens, another one beyond.
+  logn = evaluate_long(workdir, out=str(tmp_path / "logn"), tasks=("loss",),
+                       factors=(1, 4), samples=SAMPLES, logn_scale_len=32)
+  assert logn["logn_scale_len"] == 32 and res["logn_scale_len"] == 0
+  for a, b in zip(res["loss"], logn["loss"]):
+    assert a["hi"] == b["hi"]
+    if a["hi"] <= 32:
+      assert a["loss"] == pytest.approx(b["loss"], rel=1e-6), a
+  assert res["loss"][-1]["loss"] != logn["loss"][-1]["loss"]
 
 
 def test_training_length_is_the_checkpoints_stage_even_in_older_configs():

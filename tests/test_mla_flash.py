@@ -9,6 +9,7 @@ same-document mask), packed and unpacked, RoPE on and off: outputs and
 gradients wrt inputs and params, fp32. Plus which path 'auto' picks, and
 the clear errors for values and head widths the kernel cannot take.
 """
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +18,7 @@ import pytest
 from configs.default import get_config
 from moe_jax.config_validation import ConfigError, validate_config
 from moe_jax.layers.mla import GatedMLA, cudnn_takes
+from moe_jax.layers.norms import rms_normalize
 from pallas_kernels.flash_attention import (MAX_HEAD_WIDTH, flash_attention,
                                             forward_block, padded_length)
 
@@ -187,4 +189,42 @@ def test_mla_flash_errors_name_the_field():
   config.model.mla.qk_rope_head_dim = 10
   with pytest.raises(ConfigError, match="model.mla.attention_impl='pallas' "
                      "needs max"):
+    validate_config(config)
+
+
+def test_logn_scale_matches_a_per_position_reference():
+  """logn_scale_len = L: queries at position p times max(1, log(p+1)/log L),
+  against attention written out from the params; L >= T changes nothing;
+  the flash kernel (packed) agrees with XLA."""
+  x = jax.random.normal(jax.random.PRNGKey(4), (B, T, D))
+  mla = lambda n, impl="xla": GatedMLA(  # noqa: E731
+      d_model=D, num_heads=2, kv_lora_rank=8, qk_nope_head_dim=8,
+      v_head_dim=12, logn_scale_len=n, attention_impl=impl)
+  params = mla(0).init(jax.random.PRNGKey(5), x[:, :4])
+  y = mla(6).apply(params, x)
+
+  p = nn.meta.unbox(params)["params"]
+  c = rms_normalize(x @ p["kv_down"]["kernel"]) * p["kv_norm"]["scale"]
+  q = (x @ p["q_proj"]["kernel"]).reshape(B, T, 2, 8)
+  k = (c @ p["k_up"]["kernel"]).reshape(B, T, 2, 8)
+  v = (c @ p["v_up"]["kernel"]).reshape(B, T, 2, 12)
+  pos = np.arange(T)
+  s = np.maximum(1.0, np.log(pos + 1.0) / np.log(6.0))
+  assert s[5] == 1.0 and s[6] > 1.0
+  logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) * s[:, None] / np.sqrt(8.0)
+  logits = jnp.where(pos[:, None] >= pos[None, :], logits, -jnp.inf)
+  o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, -1), v)
+  gate = jax.nn.sigmoid(x @ p["gate_proj"]["kernel"])
+  want = (o.reshape(B, T, 24) * gate) @ p["o_proj"]["kernel"]
+  _assert_close(y, want, rtol=1e-4, atol=1e-5)
+
+  np.testing.assert_array_equal(mla(T).apply(params, x),
+                                mla(0).apply(params, x))
+  ids = _segment_ids()
+  _assert_close(mla(6, "interpret").apply(params, x, segment_ids=ids),
+                mla(6).apply(params, x, segment_ids=ids), rtol=1e-4,
+                atol=1e-5)
+  config = get_config("tiny")
+  config.model.mla.logn_scale_len = 1
+  with pytest.raises(ConfigError, match="model.mla.logn_scale_len must be 0"):
     validate_config(config)

@@ -34,6 +34,12 @@ Beside the latent, the segment id of every cached position [B, T_max] int32:
 a token attends to cached positions of its own document only, as the packed
 forward does. RoPE positions are the row's (0 at the start of the sequence,
 not of each document), in the forward and in decoding alike.
+
+logn_scale_len = L > 0 multiplies the queries at row position p by
+max(1, log(p + 1) / log(L)) in every path (training, context parallel,
+prefill, decoding): nothing changes up to L, and beyond it the logits grow
+with the log of the number of visible keys (length extrapolation of NoPE
+attention; a model trained at L without it can be evaluated with it).
 """
 from __future__ import annotations
 
@@ -73,6 +79,18 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
   return out.reshape(x.shape).astype(x.dtype)
 
 
+def logn_scale(positions: jax.Array, train_len: int) -> jax.Array:
+  """Query scale per position: max(1, log(p + 1) / log(train_len)).
+
+  positions: [T] or [B, T] 0-based positions in the row; p + 1 keys are
+  visible to a causal query there. 1 up to train_len, so training at that
+  length is unchanged; beyond it the logits grow with log(p + 1), keeping
+  the attention's entropy near what training saw as the keys multiply.
+  """
+  p = positions.astype(jnp.float32) + 1.0
+  return jnp.maximum(1.0, jnp.log(p) / jnp.log(float(train_len)))
+
+
 class GatedMLA(nn.Module):
   """Causal gated MLA over [B, T, D].
 
@@ -87,6 +105,7 @@ class GatedMLA(nn.Module):
   q_lora_rank: int = 0
   qk_rope_head_dim: int = 0
   rope_theta: float = 10000.0
+  logn_scale_len: int = 0
   attention_impl: str = "auto"
   norm_eps: float = 1e-6
   out_init_scale: float = 1.0
@@ -176,6 +195,7 @@ class GatedMLA(nn.Module):
                           positions, self.rope_theta)[:, :, 0]
       q_rope = apply_rope(q[..., dn:], positions, self.rope_theta)
       q = jnp.concatenate([q[..., :dn], q_rope], axis=-1)
+    q = self._scale_queries(q, jnp.arange(t))
     # The flash kernel is not context-parallel: its values run as "auto".
     impl = (None if self.attention_impl in ("auto", "pallas", "interpret")
             else self.attention_impl)
@@ -236,6 +256,7 @@ class GatedMLA(nn.Module):
           (0, i, 0))
     if new_sequence:
       return self._attention(x, q, c_kv, dense, k_rope, segment_ids)
+    q = self._scale_queries(q, positions)
 
     # Same params as the Dense up-projections of _attention, as matrices.
     w_uk = _DenseKernel(r, h * dn, self.param_dtype, name="k_up")().reshape(
@@ -283,6 +304,7 @@ class GatedMLA(nn.Module):
       q = jnp.concatenate([q[..., :dn], q_rope], axis=-1)
       k = jnp.concatenate([k, jnp.broadcast_to(k_rope, (b, t, h, dr))], -1)
 
+    q = self._scale_queries(q, jnp.arange(t))
     impl = self._resolved_impl(segment_ids is not None, q.dtype)
     if impl in ("pallas", "interpret"):
       o = flash_attention(q, k, v, segment_ids, scale=dqk ** -0.5,
@@ -302,6 +324,14 @@ class GatedMLA(nn.Module):
         q, k, vp, mask=mask, is_causal=True, scale=dqk ** -0.5,
         implementation=impl)
     return o[..., :dv].reshape(b, t, h * dv)
+
+  def _scale_queries(self, q: jax.Array, positions: jax.Array) -> jax.Array:
+    """q [B, T, H, Dqk] times logn_scale at positions [T] (a no-op when
+    logn_scale_len is 0)."""
+    if not self.logn_scale_len:
+      return q
+    scale = logn_scale(positions, self.logn_scale_len)[None, :, None, None]
+    return (q * scale).astype(q.dtype)
 
   def _resolved_impl(self, packed: bool, dtype=jnp.bfloat16) -> str:
     """The attention that `_attention` runs: "pallas" | "interpret" (the

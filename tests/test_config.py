@@ -111,6 +111,7 @@ _OTHER_VALUES = {
     "model.mla.q_lora_rank": (8, {}), "model.mla.qk_nope_head_dim": (8, {}),
     "model.mla.qk_rope_head_dim": (4, {}), "model.mla.v_head_dim": (8, {}),
     "model.mla.rope_theta": (500.0, {"model.mla.qk_rope_head_dim": 4}),
+    "model.mla.logn_scale_len": (64, {}),
     "model.mla.attention_impl": ("xla", {}),
     "model.moe.num_experts": (4, {}), "model.moe.top_k": (3, {}),
     "model.moe.d_expert": (16, {}), "model.moe.num_shared": (2, {}),

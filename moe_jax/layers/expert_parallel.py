@@ -142,9 +142,11 @@ def ragged_experts(x, idx, w, w_gate, w_up, w_down, matmul="ragged_dot"):
   group_sizes = sorted_counts(flat_e[order], e).astype(jnp.int32)  # [E]
   xs = permute_rows(x, order, inv, k)                            # [N*k, D]
   ys = expert_ffn(xs, group_sizes, w_gate, w_up, w_down, matmul)  # [N*k, D]
-  ys = ys.astype(jnp.float32) * permute_rows(w.reshape(-1, 1), order, inv)
-  # Back to (token, slot) order, then the slots of each token summed.
-  return permute_rows(ys, inv, order).reshape(n, k, -1).sum(axis=1)
+  # Back to (token, slot) order in the compute dtype, then weighted and
+  # summed over the slots in fp32 in one fused pass: no [N*k, D] fp32
+  # buffer (the same products and sums as weighting before the gather).
+  ys = permute_rows(ys, inv, order).reshape(n, k, -1)             # [N, k, D]
+  return (ys.astype(jnp.float32) * w[..., None]).sum(axis=1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

@@ -65,3 +65,21 @@ def test_train_step_scatters_only_the_token_permutation():
   for operands in scatters:
     assert operands.split(",")[0].strip().endswith("xi32>"), operands
   assert "unique_indices = false" not in text
+
+
+def test_token_permutation_is_a_bare_gather_both_ways():
+  """permute_rows (the MoE's token order <-> expert order): values and
+  gradient of a[perm // slots], lowered with neither a scatter nor an
+  out-of-bounds select."""
+  from moe_jax.layers.expert_parallel import permute_rows
+  a = jax.random.normal(jax.random.PRNGKey(3), (6, 4))
+  perm = jax.random.permutation(jax.random.PRNGKey(4), 12).astype(jnp.int32)
+  inv = jnp.argsort(perm).astype(jnp.int32)
+  ct = jax.random.normal(jax.random.PRNGKey(5), (12, 4))
+  np.testing.assert_array_equal(permute_rows(a, perm, inv, 2), a[perm // 2])
+  f = lambda a: jnp.sum(permute_rows(a, perm, inv, 2) * ct)  # noqa: E731
+  np.testing.assert_allclose(jax.grad(f)(a),
+                             jax.grad(lambda a: jnp.sum(a[perm // 2] * ct))(a),
+                             rtol=1e-6)
+  text = jax.jit(jax.grad(f)).lower(a).as_text()
+  assert "scatter" not in text and "select" not in text

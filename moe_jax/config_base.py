@@ -88,8 +88,8 @@ def base_config() -> ml_collections.ConfigDict:
   mla.logn_scale_len = 0
   # auto | xla | cudnn (jax.nn.dot_product_attention) | pallas | interpret
   # (the flash kernel with segment ids). "auto" on a GPU: cuDNN where it
-  # takes the dtype and head width, else the flash kernel (always for packed
-  # documents); XLA on CPU.
+  # takes the dtype (bf16/fp16) and head width, the flash kernel for packed
+  # documents; XLA otherwise and on CPU.
   mla.attention_impl = "auto"
 
   moe = m.moe = ml_collections.ConfigDict()

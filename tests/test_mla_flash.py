@@ -137,9 +137,9 @@ def test_mla_flash_matches_xla(rope_dim, packed):
   _assert_close(grads, grads_ref, rtol=1e-4, atol=1e-5)
 
 
-def test_auto_picks_cudnn_or_flash_on_gpu_never_quadratic_xla(monkeypatch):
+def test_auto_picks_cudnn_or_flash_on_gpu(monkeypatch):
   # jax.nn.dot_product_attention's own default is XLA ([B, H, T, T] scores),
-  # so "auto" must name a flash implementation on a GPU.
+  # so "auto" names cuDNN on a GPU wherever cuDNN takes the inputs.
   mla = GatedMLA(d_model=D, num_heads=2, kv_lora_rank=8, qk_nope_head_dim=16,
                  v_head_dim=16)
   bf16, f32 = jnp.bfloat16, jnp.float32
@@ -148,18 +148,20 @@ def test_auto_picks_cudnn_or_flash_on_gpu_never_quadratic_xla(monkeypatch):
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   assert mla._resolved_impl(True, bf16) == "pallas"    # packed: ids per tile
   assert mla._resolved_impl(False, bf16) == "cudnn"
-  assert mla._resolved_impl(False, f32) == "pallas"    # cuDNN: bf16/fp16 only
-  assert _mla(0, "auto")._resolved_impl(False, bf16) == "pallas"  # width 12
+  assert mla._resolved_impl(False, f32) == "xla"       # cuDNN: bf16/fp16 only
+  assert _mla(0, "auto")._resolved_impl(False, bf16) == "xla"     # width 12
   # Padded width 200 + 64: above cuDNN's 128 (this host has no compute
   # capability) and the flash kernel's 256: XLA is the only one left.
   wide = GatedMLA(d_model=D, num_heads=2, kv_lora_rank=8,
                   qk_nope_head_dim=200, qk_rope_head_dim=64, v_head_dim=8)
   assert wide._resolved_impl(True, bf16) == "xla"
   assert wide._resolved_impl(False, bf16) == "xla"
-  # Width 192 (RoPE on gpu_1b's heads): too wide for cuDNN before Hopper.
+  # Width 192 (RoPE on gpu_1b's heads): too wide for cuDNN before Hopper
+  # (this host has no compute capability); the flash kernel when packed.
   rope = GatedMLA(d_model=D, num_heads=2, kv_lora_rank=8,
                   qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
-  assert rope._resolved_impl(False, bf16) == "pallas"
+  assert rope._resolved_impl(False, bf16) == "xla"
+  assert rope._resolved_impl(True, bf16) == "pallas"
   assert _mla(0, "xla")._resolved_impl(True, bf16) == "xla"
   assert _mla(0, "cudnn")._resolved_impl(True, bf16) == "xla"
   assert _mla(0, "cudnn")._resolved_impl(False, bf16) == "cudnn"

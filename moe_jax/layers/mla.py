@@ -11,9 +11,10 @@ elementwise by sigmoid(W_gate x) before W_o.
 Which attention runs where (model.mla.attention_impl):
 - one sequence per row (no segment_ids): on a GPU, "auto" runs cuDNN's flash
   attention (bf16/fp16, padded head width a multiple of 8 and at most 128,
-  256 on Hopper), else the Pallas flash kernel, so memory stays O(T). JAX's
-  own default for jax.nn.dot_product_attention is XLA, whose [B, H, T, T]
-  scores do not fit long sequences. On CPU "auto" runs XLA;
+  256 on Hopper), so memory stays O(T); XLA otherwise (fp32 models, wider
+  heads, CPU). JAX's own default for jax.nn.dot_product_attention is XLA,
+  whose [B, H, T, T] scores do not fit long sequences, so "auto" names
+  cuDNN rather than leave the choice to JAX;
 - packed documents (segment_ids): the mask is causal AND same document. On a
   GPU, "auto" runs a Pallas flash kernel that reads the ids per tile
   (pallas_kernels/flash_attention.py), so memory stays O(T); cuDNN is not
@@ -339,10 +340,10 @@ class GatedMLA(nn.Module):
     ("cudnn" | "xla").
 
     "auto" on a GPU: cuDNN for one sequence per row where it takes the
-    dtype and head width, else the flash kernel where it fits the head
-    width; with packed documents the flash kernel (cuDNN's masked path is
-    not verified for the same-document mask). Everywhere else, and as the
-    last resort, XLA ([B, H, T, T] scores; a dense mask when packed).
+    dtype and head width; the flash kernel for packed documents where it
+    fits the head width (cuDNN's masked path is not verified for the
+    same-document mask). Everywhere else XLA ([B, H, T, T] scores; a dense
+    mask when packed): fp32 models, too-wide heads, CPU.
     """
     impl = self.attention_impl
     if impl not in ATTENTION_IMPLS:
@@ -363,9 +364,9 @@ class GatedMLA(nn.Module):
       return impl
     if jax.default_backend() != "gpu":
       return "xla"
-    if not packed and cudnn_takes(dtype, max(dqk, dv)):
-      return "cudnn"
-    return "pallas" if fits else "xla"
+    if packed:
+      return "pallas" if fits else "xla"
+    return "cudnn" if cudnn_takes(dtype, max(dqk, dv)) else "xla"
 
 
 def cudnn_takes(dtype, width: int) -> bool:

@@ -160,16 +160,20 @@ def permute_rows(a: jax.Array, perm: jax.Array, inv: jax.Array,
   indices are in bounds by construction: mode="clip" is exact and spares
   the default mode's out-of-bounds mask (a select over every gathered row).
   """
-  return jnp.take(a, perm // slots, axis=0, mode="clip")
+  return _take_rows(a, perm // slots)
+
+
+def _take_rows(a, rows):
+  return jnp.take(a, rows, axis=0, mode="clip")
 
 
 def _permute_fwd(a, perm, inv, slots):
-  return jnp.take(a, perm // slots, axis=0, mode="clip"), (perm, inv)
+  return _take_rows(a, perm // slots), (perm, inv)
 
 
 def _permute_bwd(slots, res, ct):
   _, inv = res
-  ct = jnp.take(ct, inv, axis=0, mode="clip")
+  ct = _take_rows(ct, inv)
   return ct.reshape(-1, slots, *ct.shape[1:]).sum(axis=1), None, None
 
 

@@ -334,7 +334,7 @@ class GatedMLA(nn.Module):
     scale = logn_scale(positions, self.logn_scale_len)[None, :, None, None]
     return (q * scale).astype(q.dtype)
 
-  def _resolved_impl(self, packed: bool, dtype=jnp.bfloat16) -> str:
+  def _resolved_impl(self, packed: bool, dtype) -> str:
     """The attention that `_attention` runs: "pallas" | "interpret" (the
     flash kernel), else the `implementation` of jax.nn.dot_product_attention
     ("cudnn" | "xla").

@@ -33,8 +33,7 @@ import optax
 
 from moe_jax import balancing
 from moe_jax.balancing import STATS_COLLECTION
-from moe_jax.eval.step import layer_label
-from moe_jax.layers.pick import pick
+from moe_jax.eval.step import layer_label, token_cross_entropy
 from moe_jax.train.step import TrainState, global_norm, qb_hist_scale
 
 PyTree = Any
@@ -54,10 +53,7 @@ def group_advantages(rewards: jax.Array, eps: float = 1e-6) -> jax.Array:
 
 def token_log_probs(logits: jax.Array, targets: jax.Array) -> jax.Array:
   """log pi(target) per position: logits [B, T, V], targets [B, T] -> [B, T]."""
-  logits = logits.astype(jnp.float32)
-  # A one-hot pick: no scatter-add into [B, T, V] in the gradient.
-  return (pick(logits, targets[..., None])[..., 0]
-          - jax.nn.logsumexp(logits, axis=-1))
+  return -token_cross_entropy(logits.astype(jnp.float32), targets)
 
 
 def k3_kl(log_probs: jax.Array, ref_log_probs: jax.Array) -> jax.Array:

@@ -4,7 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_jax.layers.attn_res import AttnResMix, BlockAttnResState
+from moe_jax.layers.attn_res import (AttnResMix, BlockAttnResState,
+                                     attn_res_mix, attn_res_mix_reference)
 
 
 def _sources(key, n, shape=(2, 5, 8)):
@@ -85,3 +86,48 @@ def test_block_state_sources():
   np.testing.assert_array_equal(s.sources()[1], 2 * jnp.ones((1, 1, 2)))
   s.add(jnp.ones((1, 1, 2)))
   assert len(s.sources()) == 3            # + new partial
+
+
+def _mix_loss(mix, srcs, w, g):
+  return jnp.sum(mix(srcs, w).astype(jnp.float32) * g)
+
+
+def test_mix_matches_reference_values_and_gradients():
+  """The hand-written backward against autodiff of the plain form: fp32 at
+  1e-5, bf16 at bf16 precision, one to five sources, a random query."""
+  for n, dtype, tol in ((1, jnp.float32, 1e-5), (3, jnp.float32, 1e-5),
+                        (5, jnp.bfloat16, 2e-2)):
+    keys = jax.random.split(jax.random.PRNGKey(7 + n), 3)
+    srcs = tuple(s.astype(dtype) * (1 + i)
+                 for i, s in enumerate(_sources(keys[0], n, (2, 7, 16))))
+    w = jax.random.normal(keys[1], (16,))
+    g = jax.random.normal(keys[2], (2, 7, 16))
+    out = attn_res_mix(srcs, w)
+    ref = attn_res_mix_reference(srcs, w)
+    assert out.dtype == dtype
+    np.testing.assert_allclose(np.asarray(out, np.float32),
+                               np.asarray(ref, np.float32), rtol=tol, atol=tol)
+    grads = jax.grad(_mix_loss, argnums=(1, 2))(attn_res_mix, srcs, w, g)
+    ref_grads = jax.grad(_mix_loss, argnums=(1, 2))(
+        attn_res_mix_reference, srcs, w, g)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+      a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+      assert np.all(np.isfinite(a))
+      scale = np.abs(b).max()
+      np.testing.assert_allclose(a, b, rtol=tol, atol=tol * scale)
+
+
+def test_mix_backward_keeps_no_per_source_activation():
+  """What the backward keeps beyond the sources themselves is [S, B, T]
+  (weights, inverse RMS) and the query: no stacked or fp32 copy of the
+  sources, which the plain autodiff form keeps."""
+  srcs = tuple(_sources(jax.random.PRNGKey(9), 4, (2, 8, 64)))
+  w = jnp.ones((64,))
+
+  def kept(mix):
+    _, vjp = jax.vjp(mix, srcs, w)
+    ids = {id(s) for s in srcs}
+    return sum(x.size for x in jax.tree.leaves(vjp) if id(x) not in ids)
+
+  assert kept(attn_res_mix) <= 2 * 4 * 2 * 8 + 64
+  assert kept(attn_res_mix_reference) >= 4 * 2 * 8 * 64   # the test can fail

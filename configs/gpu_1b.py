@@ -10,10 +10,10 @@ Launch on a GPU machine (from the repo root):
   python -m experiments.train --config=configs/gpu_1b.py --workdir=runs/gpu_1b
   python -m experiments.bench_train_step --config=configs/gpu_1b.py \
       --seq_lens=8192,32768 --backends=pallas,xla
-The routed experts on the Mosaic GPU grouped matmul (TMA + wgmma; about 2x
-the Triton kernels' rate at this expert shape, results/train_step.md):
+On a Hopper GPU the routed experts run on the Mosaic GPU grouped matmul
+(TMA + wgmma; model.moe.grouped_matmul=auto); the Triton kernels instead:
   python -m experiments.train --config=configs/gpu_1b.py \
-      --config.model.moe.grouped_matmul=mosaic --workdir=runs/gpu_1b_mosaic
+      --config.model.moe.grouped_matmul=pallas --workdir=runs/gpu_1b_triton
 Each sublayer keeps only its input for the backward (model.remat="sublayer"):
 without it the step's activations need about 133 GiB at 64K tokens.
 Variants: standard_residual, no_remat, seq32k.

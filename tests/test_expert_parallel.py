@@ -169,3 +169,24 @@ def test_errors_are_clear():
   with pytest.raises(ValueError, match="capacity_factor"):
     expert_parallel_experts(x, idx, w, wg, wg, wd, mesh=mesh,
                             capacity_factor=0.0)
+
+
+def test_auto_grouped_matmul_resolution(monkeypatch):
+  """'auto': ragged_dot off a GPU; on a GPU Mosaic where its kernels apply
+  (Hopper, bf16, widths multiples of 64), else the Triton kernels for widths
+  multiples of 16, else ragged_dot. Named choices pass through."""
+  from moe_jax.layers import expert_parallel as ep
+  bf16 = jnp.bfloat16
+  assert ep.resolve_grouped_matmul("auto", (1024, 384), bf16) == "ragged_dot"
+  assert ep.resolve_grouped_matmul("mosaic", (96,), bf16) == "mosaic"
+  monkeypatch.setattr(ep.jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(ep, "mosaic_gpu_available", lambda: True)
+  assert ep.resolve_grouped_matmul("auto", (1024, 384), bf16) == "mosaic"
+  assert ep.resolve_grouped_matmul("auto", (512, 96), bf16) == "pallas"
+  assert ep.resolve_grouped_matmul("auto", (1024, 384),
+                                   jnp.float32) == "pallas"
+  assert ep.resolve_grouped_matmul("auto", (512, 40), bf16) == "ragged_dot"
+  monkeypatch.setattr(ep, "mosaic_gpu_available", lambda: False)  # Ampere
+  assert ep.resolve_grouped_matmul("auto", (1024, 384), bf16) == "pallas"
+  with pytest.raises(ValueError, match="grouped_matmul must be one of"):
+    ep.resolve_grouped_matmul("cutlass")

@@ -75,6 +75,18 @@ def _transforms():
   return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
 
+def mosaic_gpu_available() -> bool:
+  """Whether the default device runs these kernels: a GPU of compute
+  capability 9.0 or later (wgmma, TMA) and a jax with Mosaic GPU."""
+  if plgpu is None or jax.default_backend() != "gpu":
+    return False
+  try:
+    major = int(str(jax.devices()[0].compute_capability).split(".")[0])
+  except (AttributeError, ValueError):
+    return False
+  return major >= 9
+
+
 def num_programs(interpret) -> int:
   """Persistent programs: the card's SM count, or a few when interpreting."""
   if interpret:

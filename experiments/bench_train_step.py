@@ -32,6 +32,10 @@ is the card's dense bf16 rate (printed with the card's name).
   python -m experiments.bench_train_step --config=configs/gpu_small.py \
       --seq_lens=4096,16384 --attention=cudnn,pallas --backends=pallas \
       --grouped_matmuls=pallas --out=/tmp/bench_unpacked
+  # No step run: XLA's compiled memory and bytes accessed (any backend).
+  python -m experiments.bench_train_step --config=configs/gpu_small.py \
+      --seq_lens=256 --tokens_per_step=512 --backends=xla --attention=xla \
+      --compile_only --config.model.residual=standard
 
 Writes OUT/rows.jsonl (one JSON row each, losses included), OUT/table.md,
 per row OUT/<row>.log (its process's stderr) and OUT/<row>.progress.jsonl
@@ -52,8 +56,9 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from experiments.step_timing import (describe_error, partial_row, row_name,
-                                    run_row, table, top_ops)
+from experiments.step_timing import (compile_table, describe_error,
+                                    partial_row, row_name, run_row, table,
+                                    top_ops)
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/gpu_small.py", "Config file (path.py[:variants]).",
@@ -83,6 +88,10 @@ _ISOLATE = flags.DEFINE_bool("isolate", True, "One process per row.")
 _ROW_TIMEOUT = flags.DEFINE_integer(
     "row_timeout", 0, "Seconds a row's process may run (0: no limit). A row "
     "stopped by it is reported with the phases and steps it finished.")
+_COMPILE_ONLY = flags.DEFINE_bool(
+    "compile_only", False, "Compile each row and report XLA's estimates of "
+    "its temporary memory and bytes accessed, without running a step (any "
+    "backend, a CPU included).")
 _ROW = flags.DEFINE_string("row", "", "Internal: run this one row (JSON).")
 
 def row_specs(config) -> list[dict]:
@@ -156,7 +165,8 @@ def main(argv):
     r = json.loads(_ROW.value)
     prof = os.path.join(_OUT.value, row_name(r)) if _PROFILE.value else None
     print(json.dumps(run_row(config, r, _STEPS.value, _WARMUP.value, prof,
-                             name, _PEAK.value, _progress_file(r))))
+                             name, _PEAK.value, _progress_file(r),
+                             _COMPILE_ONLY.value)))
     return
   os.makedirs(_OUT.value, exist_ok=True)
   # SIGTERM (e.g. an outer `timeout`) unwinds, so the running row's process
@@ -171,7 +181,7 @@ def main(argv):
       prof = (os.path.join(_OUT.value, row_name(r)) if _PROFILE.value
               else None)
       res = run_row(config, r, _STEPS.value, _WARMUP.value, prof, name,
-                    _PEAK.value)
+                    _PEAK.value, compile_only=_COMPILE_ONLY.value)
     rows.append(res)
     with open(os.path.join(_OUT.value, "rows.jsonl"), "a") as f:
       f.write(json.dumps(res) + "\n")
@@ -185,14 +195,17 @@ def main(argv):
       with open(os.path.join(_OUT.value, "top_ops.md"), "a") as f:
         f.write(summary)
       print(summary, flush=True)
-    if "error" not in res:
+    if "error" not in res and not _COMPILE_ONLY.value:
       print(f"   {res['step_ms']:.1f} ms  {res['tokens_per_sec']:,.0f} tok/s"
             f"  MFU {res['mfu'] and round(res['mfu'], 3)}"
             f"  peak {res['peak_gib']} GiB  compile {res['compile_s']:.0f} s",
             flush=True)
-  md = table(rows)
+  if _COMPILE_ONLY.value:
+    md = compile_table(rows)
+  else:
+    md = table(rows)
   ok = [r for r in rows if "error" not in r]
-  if ok:
+  if ok and not _COMPILE_ONLY.value:
     md = (f"Card: {ok[0]['device']}, assumed dense bf16 peak "
           f"{ok[0]['peak_tflops']} TFLOP/s; jax {ok[0]['jax']}; model "
           f"{ok[0]['model_tflop_per_token'] * 1e3:.3f} GFLOP per token "

@@ -44,10 +44,36 @@ def configure(config, r: dict):
   return c
 
 
+def compiled_stats(compiled) -> dict:
+  """XLA's own estimates for a compiled step: its temporary buffers and
+  arguments (GiB) and the bytes its ops access (GiB; fusions count their
+  operands and outputs once). Keys whose analysis this backend lacks are
+  None."""
+  out = dict(xla_temp_gib=None, xla_arg_gib=None, xla_accessed_gib=None)
+  try:
+    mem = compiled.memory_analysis()
+    out["xla_temp_gib"] = mem.temp_size_in_bytes / 2**30
+    out["xla_arg_gib"] = mem.argument_size_in_bytes / 2**30
+  except Exception:  # noqa: BLE001 - optional on some backends
+    pass
+  try:
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    if cost and "bytes accessed" in cost:
+      out["xla_accessed_gib"] = cost["bytes accessed"] / 2**30
+  except Exception:  # noqa: BLE001
+    pass
+  return out
+
+
 def run_row(config, r: dict, steps: int, warmup: int, profile_dir: str | None,
             config_name: str = "", peak_override: float = 0.0,
-            progress: str | None = None) -> dict:
+            progress: str | None = None, compile_only: bool = False) -> dict:
   """Compiles and times one row in this process; returns its JSON row.
+
+  compile_only: stop after the compile and report only XLA's estimates
+  (`compiled_stats`): what a step would hold and move, on any backend (a
+  CPU answers whether a change saves memory before a GPU is spent on it).
 
   progress: a file that gets one JSON line per finished phase ({"phase":
   "setup" | "compile", "s": seconds}) and per step ({"step": i, "ms": ...,
@@ -69,7 +95,8 @@ def run_row(config, r: dict, steps: int, warmup: int, profile_dir: str | None,
 
   c = configure(config, r)
   train_iter, _, _, _ = make_datasets(dict(c.data.to_dict(), seed=c.seed))
-  batches = [next(train_iter) for _ in range(warmup + steps)]
+  batches = [next(train_iter) for _ in range(1 if compile_only
+                                             else warmup + steps)]
   # The step the training loop runs, in the loop's layout.
   setup = build_train_step(c)
   step_fn, batch_sh = setup.train_step, setup.batch_sharding
@@ -85,6 +112,12 @@ def run_row(config, r: dict, steps: int, warmup: int, profile_dir: str | None,
   compiled = step_fn.lower(state, put(batches[0])).compile()
   compile_s = time.perf_counter() - t0
   note(phase="compile", s=compile_s)
+  stats = compiled_stats(compiled)
+  dev = jax.devices()[0]
+  if compile_only:
+    return dict(r, config=config_name, device=dev.device_kind,
+                jax=jax.__version__, setup_s=setup_s, compile_s=compile_s,
+                **stats)
   losses, times = [], []
   for i, b in enumerate(batches):
     b = put(b)
@@ -104,7 +137,6 @@ def run_row(config, r: dict, steps: int, warmup: int, profile_dir: str | None,
   tokens = c.data.batch_size * c.data.seq_len
   flops = plan(c, {}, seq_len=c.data.seq_len,
                global_batch=c.data.batch_size)["flops_per_token"]
-  dev = jax.devices()[0]
   peak = peak_tflops(dev.device_kind, peak_override)
   mem = dev.memory_stats() or {}
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
@@ -120,7 +152,7 @@ def run_row(config, r: dict, steps: int, warmup: int, profile_dir: str | None,
       peak_gib=(mem["peak_bytes_in_use"] / 2**30
                 if "peak_bytes_in_use" in mem else None),
       setup_s=setup_s, compile_s=compile_s, params=n_params, losses=losses,
-      step_ms_all=[1e3 * t for t in times])
+      step_ms_all=[1e3 * t for t in times], **stats)
 
 
 def top_ops(trace_dir: str, top: int) -> list[tuple[str, float, int]]:
@@ -182,6 +214,25 @@ def describe_error(r: dict) -> str:
     ms = ", ".join(f"{v:.0f}" for v in r["step_ms_all"])
     done.append(f"steps {ms} ms")
   return r["error"] + (f" ({'; '.join(done)})" if done else "")
+
+
+def compile_table(rows: list[dict]) -> str:
+  """Markdown table of compile-only rows: XLA's memory and traffic."""
+  fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+  head = ("| config | T x B | kda | attention | gmm | remat | XLA temp GiB | "
+          "XLA args GiB | XLA bytes accessed GiB | compile s |\n"
+          "|---|---|---|---|---|---|---|---|---|---|\n")
+  out = []
+  for r in rows:
+    lead = (f"| {r.get('config', '')} | {r['seq_len']} x {r['batch']} | "
+            f"{r['backend']} | {r['attention']} | {r['grouped_matmul']} | "
+            f"{r['remat']} ")
+    if "error" in r:
+      out.append(lead + f"| {describe_error(r)} |" + " |" * 3)
+      continue
+    out.append(lead + f"| {fmt(r['xla_temp_gib'])} | {fmt(r['xla_arg_gib'])} "
+               f"| {fmt(r['xla_accessed_gib'])} | {r['compile_s']:.0f} |")
+  return head + "\n".join(out) + "\n"
 
 
 def table(rows: list[dict]) -> str:

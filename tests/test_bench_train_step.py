@@ -19,6 +19,7 @@ def test_row_reports_time_memory_flops_and_losses(tmp_path):
   assert row["model_tflop_per_token"] > 0
   assert row["mfu"] is None          # no known peak on a CPU
   assert len(row["losses"]) == 3 and all(map(math.isfinite, row["losses"]))
+  assert row["xla_temp_gib"] > 0 and row["xla_accessed_gib"] > 0
   # A second row at the same length gets its loss gap to the first.
   md = bench.table([row, dict(row, remat="sublayer")])
   assert "| default.py | 32 x 4 | xla | xla | auto | sublayer |" in md
@@ -43,3 +44,20 @@ def test_unfinished_row_says_where_its_time_went(tmp_path):
   # No progress file: the child died before its setup finished.
   row = bench.partial_row(SPEC, str(tmp_path / "none.jsonl"), "failed")
   assert bench.describe_error(row) == "failed" and "losses" not in row
+
+
+def test_compile_only_row_reports_xla_estimates():
+  """No step runs; the row holds XLA's memory and traffic, and more tokens
+  per step must mean more of both (the estimates are not constants)."""
+  config = load_config("default.py", "tiny,smoke")
+  rows = [bench.run_row(config, dict(SPEC, batch=b), steps=2, warmup=1,
+                        profile_dir=None, config_name="default.py",
+                        compile_only=True) for b in (2, 8)]
+  for row in rows:
+    assert "step_ms" not in row and "losses" not in row
+    assert row["compile_s"] > 0 and row["xla_arg_gib"] > 0
+  assert rows[1]["xla_temp_gib"] > rows[0]["xla_temp_gib"]
+  assert rows[1]["xla_accessed_gib"] > rows[0]["xla_accessed_gib"]
+  md = bench.compile_table(rows)
+  assert "| default.py | 32 x 8 | xla | xla | auto | none | " in md
+  assert "XLA temp GiB" in md and md.count("\n") == 4

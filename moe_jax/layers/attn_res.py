@@ -44,6 +44,11 @@ def attn_res_mix_reference(sources: Sequence[jax.Array], query: jax.Array,
   return jnp.einsum("sbt,sbtd->btd", weights, v).astype(sources[0].dtype)
 
 
+# The products with the query are written as multiply-and-reduce, not as
+# dots: a dot would be a matrix-vector call on a materialised fp32 copy of
+# the source; a reduction reads the source once in its own dtype.
+
+
 def _weights(sources, query, eps):
   """Softmax weights [S, B, T] and inverse RMS [S, B, T] (fp32)."""
   w = query.astype(jnp.float32)
@@ -52,7 +57,7 @@ def _weights(sources, query, eps):
     v = v.astype(jnp.float32)
     r = jax.lax.rsqrt(jnp.mean(v * v, axis=-1) + eps)
     inv_rms.append(r)
-    logits.append(jnp.dot(v, w) * r)
+    logits.append(jnp.sum(v * w, axis=-1) * r)
   return jax.nn.softmax(jnp.stack(logits), axis=0), jnp.stack(inv_rms)
 
 
@@ -92,11 +97,11 @@ def _mix_bwd(eps, res, g):
   scale = d_logits * inv_rms                                     # [S,B,T]
   d_sources, d_query = [], jnp.zeros_like(w)
   for v, src, a, s, r in zip(vs, sources, weights, scale, inv_rms):
-    vw = jnp.dot(v, w)
+    vw = jnp.sum(v * w, axis=-1)
     dv = (a[..., None] * g + s[..., None] * w
           - (s * vw * r * r / d)[..., None] * v)
     d_sources.append(dv.astype(src.dtype))
-    d_query = d_query + jnp.einsum("bt,btd->d", s, v)
+    d_query = d_query + jnp.sum(s[..., None] * v, axis=(0, 1))
   return tuple(d_sources), d_query.astype(query.dtype)
 
 

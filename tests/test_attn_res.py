@@ -119,8 +119,8 @@ def test_mix_matches_reference_values_and_gradients():
 
 def test_mix_backward_keeps_no_per_source_activation():
   """What the backward keeps beyond the sources themselves is [S, B, T]
-  (weights, inverse RMS) and the query: no stacked or fp32 copy of the
-  sources, which the plain autodiff form keeps."""
+  (weights, inverse RMS, products with the query) and the query: no stacked
+  or fp32 copy of the sources, which the plain autodiff form keeps."""
   srcs = tuple(_sources(jax.random.PRNGKey(9), 4, (2, 8, 64)))
   w = jnp.ones((64,))
 
@@ -129,5 +129,5 @@ def test_mix_backward_keeps_no_per_source_activation():
     ids = {id(s) for s in srcs}
     return sum(x.size for x in jax.tree.leaves(vjp) if id(x) not in ids)
 
-  assert kept(attn_res_mix) <= 2 * 4 * 2 * 8 + 64
+  assert kept(attn_res_mix) <= 3 * 4 * 2 * 8 + 64
   assert kept(attn_res_mix_reference) >= 4 * 2 * 8 * 64   # the test can fail

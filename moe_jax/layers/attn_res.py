@@ -11,10 +11,11 @@ starts from the uniform average. One sublayer per block is full AttnRes (every
 earlier output is a source); memory and traffic scale with blocks, not layers.
 
 `attn_res_mix` computes the mixture with a hand-written backward: it keeps
-only the softmax weights and each source's inverse RMS ([S, B, T] each) and
-reads the sources again, which the model holds anyway, so a mix adds no
-[S, B, T, D] residual of its own; `attn_res_mix_reference` is the plain
-autodiff form the tests compare it with.
+only the softmax weights, each source's inverse RMS and its product with the
+query ([S, B, T] each) and reads the sources again, which the model holds
+anyway, so a mix adds no [S, B, T, D] residual of its own;
+`attn_res_mix_reference` is the plain autodiff form the tests compare it
+with.
 
 Applied with mutable=["intermediates"], each mix sows its softmax weights
 averaged over batch and tokens ('weights', [S]): the learned depth attention
@@ -50,15 +51,16 @@ def attn_res_mix_reference(sources: Sequence[jax.Array], query: jax.Array,
 
 
 def _weights(sources, query, eps):
-  """Softmax weights [S, B, T] and inverse RMS [S, B, T] (fp32)."""
+  """Softmax weights, inverse RMS r and products v . w, each [S, B, T]
+  (fp32)."""
   w = query.astype(jnp.float32)
-  inv_rms, logits = [], []
+  inv_rms, vw = [], []
   for v in sources:
     v = v.astype(jnp.float32)
-    r = jax.lax.rsqrt(jnp.mean(v * v, axis=-1) + eps)
-    inv_rms.append(r)
-    logits.append(jnp.sum(v * w, axis=-1) * r)
-  return jax.nn.softmax(jnp.stack(logits), axis=0), jnp.stack(inv_rms)
+    inv_rms.append(jax.lax.rsqrt(jnp.mean(v * v, axis=-1) + eps))
+    vw.append(jnp.sum(v * w, axis=-1))
+  inv_rms, vw = jnp.stack(inv_rms), jnp.stack(vw)
+  return jax.nn.softmax(vw * inv_rms, axis=0), inv_rms, vw
 
 
 def _mix(sources, weights):
@@ -70,7 +72,8 @@ def _mix(sources, weights):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def attn_res_mix(sources: Sequence[jax.Array], query: jax.Array,
                  eps: float = 1e-6) -> jax.Array:
-  """attn_res_mix_reference's value, with a backward that saves [S, B, T].
+  """attn_res_mix_reference's value, with a backward that saves [S, B, T]
+  arrays only.
 
   sources: tuple of S arrays [B, T, D] (one dtype); query: [D].
   Returns [B, T, D] in the sources' dtype (fp32 accumulation).
@@ -79,15 +82,15 @@ def attn_res_mix(sources: Sequence[jax.Array], query: jax.Array,
 
 
 def _mix_fwd(sources, query, eps):
-  weights, inv_rms = _weights(sources, query, eps)
-  return _mix(sources, weights), (sources, query, weights, inv_rms)
+  weights, inv_rms, vw = _weights(sources, query, eps)
+  return _mix(sources, weights), (sources, query, weights, inv_rms, vw)
 
 
 def _mix_bwd(eps, res, g):
   # logit_i = (v_i . w) r_i with r_i = (mean(v_i^2) + eps)^-1/2, so
   # dlogit_i/dv_i = r_i (w - (v_i . w) r_i^2 v_i / D).
   del eps
-  sources, query, weights, inv_rms = res
+  sources, query, weights, inv_rms, vws = res
   w = query.astype(jnp.float32)
   g = g.astype(jnp.float32)
   d = g.shape[-1]
@@ -96,8 +99,7 @@ def _mix_bwd(eps, res, g):
   d_logits = weights * (d_weights - jnp.sum(weights * d_weights, axis=0))
   scale = d_logits * inv_rms                                     # [S,B,T]
   d_sources, d_query = [], jnp.zeros_like(w)
-  for v, src, a, s, r in zip(vs, sources, weights, scale, inv_rms):
-    vw = jnp.sum(v * w, axis=-1)
+  for v, src, a, s, r, vw in zip(vs, sources, weights, scale, inv_rms, vws):
     dv = (a[..., None] * g + s[..., None] * w
           - (s * vw * r * r / d)[..., None] * v)
     d_sources.append(dv.astype(src.dtype))

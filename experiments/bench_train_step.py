@@ -200,16 +200,16 @@ def main(argv):
             f"  MFU {res['mfu'] and round(res['mfu'], 3)}"
             f"  peak {res['peak_gib']} GiB  compile {res['compile_s']:.0f} s",
             flush=True)
+  ok = [r for r in rows if "error" not in r]
   if _COMPILE_ONLY.value:
     md = compile_table(rows)
   else:
     md = table(rows)
-  ok = [r for r in rows if "error" not in r]
-  if ok and not _COMPILE_ONLY.value:
-    md = (f"Card: {ok[0]['device']}, assumed dense bf16 peak "
-          f"{ok[0]['peak_tflops']} TFLOP/s; jax {ok[0]['jax']}; model "
-          f"{ok[0]['model_tflop_per_token'] * 1e3:.3f} GFLOP per token "
-          "(train, analytic).\n\n" + md)
+    if ok:
+      md = (f"Card: {ok[0]['device']}, assumed dense bf16 peak "
+            f"{ok[0]['peak_tflops']} TFLOP/s; jax {ok[0]['jax']}; model "
+            f"{ok[0]['model_tflop_per_token'] * 1e3:.3f} GFLOP per token "
+            "(train, analytic).\n\n" + md)
   with open(os.path.join(_OUT.value, "table.md"), "w") as f:
     f.write(md)
   print(md)

@@ -216,35 +216,45 @@ def describe_error(r: dict) -> str:
   return r["error"] + (f" ({'; '.join(done)})" if done else "")
 
 
+_ROW_COLUMNS = ("config", "T x B", "kda", "attention", "gmm", "remat")
+
+
+def _head(columns) -> str:
+  """A markdown table's header: the row columns, then `columns`."""
+  names = _ROW_COLUMNS + tuple(columns)
+  return ("| " + " | ".join(names) + " |\n"
+          + "|" + "---|" * len(names) + "\n")
+
+
+def _lead(r: dict) -> str:
+  """The row columns of r's line, open at the end for the measured ones."""
+  return (f"| {r.get('config', '')} | {r['seq_len']} x {r['batch']} | "
+          f"{r['backend']} | {r['attention']} | {r['grouped_matmul']} | "
+          f"{r['remat']} ")
+
+
 def compile_table(rows: list[dict]) -> str:
   """Markdown table of compile-only rows: XLA's memory and traffic."""
   fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
-  head = ("| config | T x B | kda | attention | gmm | remat | XLA temp GiB | "
-          "XLA args GiB | XLA bytes accessed GiB | compile s |\n"
-          "|---|---|---|---|---|---|---|---|---|---|\n")
   out = []
   for r in rows:
-    lead = (f"| {r.get('config', '')} | {r['seq_len']} x {r['batch']} | "
-            f"{r['backend']} | {r['attention']} | {r['grouped_matmul']} | "
-            f"{r['remat']} ")
     if "error" in r:
-      out.append(lead + f"| {describe_error(r)} |" + " |" * 3)
+      out.append(_lead(r) + f"| {describe_error(r)} |" + " |" * 3)
       continue
-    out.append(lead + f"| {fmt(r['xla_temp_gib'])} | {fmt(r['xla_arg_gib'])} "
-               f"| {fmt(r['xla_accessed_gib'])} | {r['compile_s']:.0f} |")
-  return head + "\n".join(out) + "\n"
+    out.append(_lead(r) + f"| {fmt(r['xla_temp_gib'])} | "
+               f"{fmt(r['xla_arg_gib'])} | {fmt(r['xla_accessed_gib'])} | "
+               f"{r['compile_s']:.0f} |")
+  return (_head(("XLA temp GiB", "XLA args GiB", "XLA bytes accessed GiB",
+                 "compile s")) + "\n".join(out) + "\n")
 
 
 def table(rows: list[dict]) -> str:
   """Markdown table of the rows (loss gap: to the previous row, same T)."""
-  head = ("| config | T x B | kda | attention | gmm | remat | step ms | "
-          "tokens/s | TFLOP/s | MFU | peak GiB | compile s | loss gap |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+  head = _head(("step ms", "tokens/s", "TFLOP/s", "MFU", "peak GiB",
+                "compile s", "loss gap"))
   out, prev = [], {}
   for r in rows:
-    lead = (f"| {r.get('config', '')} | {r['seq_len']} x {r['batch']} | "
-            f"{r['backend']} | {r['attention']} | {r['grouped_matmul']} | "
-            f"{r['remat']} ")
+    lead = _lead(r)
     if "error" in r:
       out.append(lead + f"| {describe_error(r)} |" + " |" * 6)
       continue

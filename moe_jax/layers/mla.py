@@ -54,6 +54,7 @@ from moe_jax.layers import mesh_utils
 from moe_jax.layers.context_attention import context_parallel_latent_attention
 from moe_jax.layers.norms import RMSNorm
 from moe_jax.layers.param_axes import DEFAULT_KERNEL_INIT, with_axes
+from pallas_kernels.device import gpu_compute_major
 from pallas_kernels.flash_attention import (MAX_HEAD_WIDTH, flash_attention,
                                             supports_head_dims)
 
@@ -375,11 +376,8 @@ def cudnn_takes(dtype, width: int) -> bool:
   compute capability 9.0, Hopper)."""
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return False
-  try:
-    major = int(str(jax.devices()[0].compute_capability).split(".")[0])
-  except (AttributeError, ValueError):
-    major = 0
-  return width % 8 == 0 and width <= (256 if major >= 9 else 128)
+  return width % 8 == 0 and width <= (256 if gpu_compute_major() >= 9
+                                      else 128)
 
 
 class _DenseKernel(nn.Module):

@@ -53,6 +53,7 @@ try:
 except ImportError:  # pragma: no cover - every supported jax has it
   plgpu = None
 
+from pallas_kernels.device import gpu_compute_major
 from pallas_kernels.grouped_matmul.layout import (Tuning, block_divisor,
                                                   group_bounds, pad_rows,
                                                   visits)
@@ -78,13 +79,7 @@ def _transforms():
 def mosaic_gpu_available() -> bool:
   """Whether the default device runs these kernels: a GPU of compute
   capability 9.0 or later (wgmma, TMA) and a jax with Mosaic GPU."""
-  if plgpu is None or jax.default_backend() != "gpu":
-    return False
-  try:
-    major = int(str(jax.devices()[0].compute_capability).split(".")[0])
-  except (AttributeError, ValueError):
-    return False
-  return major >= 9
+  return plgpu is not None and gpu_compute_major() >= 9
 
 
 def num_programs(interpret) -> int:

@@ -32,6 +32,9 @@ is the card's dense bf16 rate (printed with the card's name).
   python -m experiments.bench_train_step --config=configs/gpu_small.py \
       --seq_lens=4096,16384 --attention=cudnn,pallas --backends=pallas \
       --grouped_matmuls=pallas --out=/tmp/bench_unpacked
+  # Gradient accumulation instead of rematerialisation: 4 passes of 2 x 8K.
+  python -m experiments.bench_train_step --config=configs/gpu_1b.py \
+      --seq_lens=8192 --backends=pallas --remat=none --microbatches=4
   # No step run: XLA's compiled memory and bytes accessed (any backend).
   python -m experiments.bench_train_step --config=configs/gpu_small.py \
       --seq_lens=256 --tokens_per_step=512 --backends=xla --attention=xla \
@@ -40,7 +43,11 @@ is the card's dense bf16 rate (printed with the card's name).
 Writes OUT/rows.jsonl (one JSON row each, losses included), OUT/table.md,
 per row OUT/<row>.log (its process's stderr) and OUT/<row>.progress.jsonl
 (setup, compile and each step as they finish), and with --profile
-OUT/<row>/ (a jax.profiler trace) and OUT/top_ops.md. On a GPU whose time is
+OUT/<row>/ (a jax.profiler trace and the compiled step's HLO text) and
+OUT/top_ops.md: the busiest ops, then the step's device time by part of
+the model (KDA, MLA, the MoE's router, shared and routed experts, AttnRes,
+norms, head, the optimizer) and phase (forward, rematerialised forward,
+backward), from each op's op_name metadata. On a GPU whose time is
 rationed, give each row --row_timeout: a row that runs out of it is reported
 with the phases and steps it finished, and the next row still runs.
 """
@@ -57,6 +64,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from experiments.step_timing import (compile_table, describe_error,
+                                    module_table, ops_by_module,
                                     partial_row, row_name, run_row, table,
                                     top_ops)
 
@@ -74,6 +82,9 @@ _ATTENTION = flags.DEFINE_list("attention", ["cudnn"],
                                "cudnn, pallas).")
 _GMM = flags.DEFINE_list("grouped_matmuls", ["auto"],
                          "model.moe.grouped_matmul values.")
+_MICRO = flags.DEFINE_list(
+    "microbatches", ["1"], "train.microbatches values (gradient accumulation "
+    "passes per step, each of batch / microbatches sequences).")
 _REMAT = flags.DEFINE_list("remat", [], "model.remat values; default the "
                            "config's.")
 _STEPS = flags.DEFINE_integer("steps", 10, "Timed steps per row.")
@@ -100,13 +111,17 @@ def row_specs(config) -> list[dict]:
   tokens = _TOKENS.value or config.data.batch_size * config.data.seq_len
   remats = _REMAT.value or [config.model.remat]
   rows = []
-  for t, be, att, gmm, rm in itertools.product(
-      lens, _BACKENDS.value, _ATTENTION.value, _GMM.value, remats):
+  for t, be, att, gmm, rm, mb in itertools.product(
+      lens, _BACKENDS.value, _ATTENTION.value, _GMM.value, remats,
+      [int(m) for m in _MICRO.value]):
     if tokens % t:
       raise app.UsageError(f"--tokens_per_step={tokens} is not a multiple "
                            f"of seq_len {t}")
+    if mb < 1 or (tokens // t) % mb:
+      raise app.UsageError(f"--microbatches={mb} must divide the batch of "
+                           f"{tokens // t} sequences at seq_len {t}")
     rows.append(dict(seq_len=t, batch=tokens // t, backend=be, attention=att,
-                     grouped_matmul=gmm, remat=rm))
+                     grouped_matmul=gmm, remat=rm, microbatches=mb))
   return rows
 
 
@@ -192,6 +207,10 @@ def main(argv):
                  "| op | ms | share | count |\n|---|---|---|---|\n" +
                  "".join(f"| `{n[:90]}` | {ms:.2f} | {ms / step:.1%} | {k} |\n"
                          for n, ms, k in ops[:_TOP.value]))
+      groups = ops_by_module(os.path.join(_OUT.value, row_name(r)))
+      if groups:
+        summary += ("\nBy part of the model (op_name metadata of the "
+                    "compiled step):\n\n" + module_table(groups))
       with open(os.path.join(_OUT.value, "top_ops.md"), "a") as f:
         f.write(summary)
       print(summary, flush=True)

@@ -6,8 +6,10 @@ can import it beside other experiment modules without their flags clashing.
 """
 from __future__ import annotations
 
+import collections
 import json
 import os
+import re
 import statistics
 import time
 
@@ -26,8 +28,9 @@ def peak_tflops(device_kind: str, override: float = 0.0) -> float | None:
 
 
 def row_name(r: dict) -> str:
+  mb = r.get("microbatches", 1)
   return (f"T{r['seq_len']}_{r['backend']}_{r['attention']}_"
-          f"{r['grouped_matmul']}_{r['remat']}")
+          f"{r['grouped_matmul']}_{r['remat']}" + (f"_mb{mb}" if mb > 1 else ""))
 
 
 def configure(config, r: dict):
@@ -39,7 +42,7 @@ def configure(config, r: dict):
   c.model.mla.attention_impl = r["attention"]
   c.model.moe.grouped_matmul = r["grouped_matmul"]
   c.model.remat = r["remat"]
-  c.train.microbatches = 1
+  c.train.microbatches = r.get("microbatches", 1)
   validate_config(c)
   return c
 
@@ -129,6 +132,11 @@ def run_row(config, r: dict, steps: int, warmup: int, profile_dir: str | None,
     losses.append(loss)
     note(step=i, ms=1e3 * times[-1], loss=loss)
   if profile_dir:
+    os.makedirs(profile_dir, exist_ok=True)
+    # The compiled module's text: its op_name metadata attributes each
+    # profiled op to a module of the model (`ops_by_module`).
+    with open(os.path.join(profile_dir, HLO_FILE), "w") as f:
+      f.write(compiled.as_text())
     b = put(batches[-1])
     with jax.profiler.trace(profile_dir):
       state, metrics = compiled(state, b)
@@ -155,36 +163,152 @@ def run_row(config, r: dict, steps: int, warmup: int, profile_dir: str | None,
       step_ms_all=[1e3 * t for t in times], **stats)
 
 
-def top_ops(trace_dir: str, top: int) -> list[tuple[str, float, int]]:
-  """(op name, total ms, count) of the busiest device ops in a trace.
+def _device_events(trace_dir: str):
+  """(name, ms, stats dict) of every device op event in a trace.
 
   Reads the XSpace the profiler wrote; on a GPU the device plane's "XLA
   Ops" line holds one event per HLO op (fusions, custom calls such as the
-  Pallas kernels, cuBLAS GEMMs).
+  Pallas kernels, cuBLAS GEMMs); without that line, the kernels of every
+  stream line. A trace of a CPU run has no device plane: its XLA thunks.
   """
   import glob
-  import collections
   from jax.profiler import ProfileData
   files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"),
                     recursive=True)
   if not files:
-    return []
+    return
   data = ProfileData.from_file(files[0])
+  planes = [p for p in data.planes if p.name.startswith("/device:")]
+  if planes:
+    has_ops = any(ln.name == "XLA Ops" for p in planes for ln in p.lines)
+    lines = [ln for p in planes for ln in p.lines
+             if ((ln.name == "XLA Ops") if has_ops else ln.name not in (
+                 "XLA Modules", "Steps", "XLA TraceMe"))]
+  else:
+    lines = [ln for p in data.planes if p.name == "/host:CPU"
+             for ln in p.lines if ln.name.startswith("tf_XLA")]
+  for line in lines:
+    for ev in line.events:
+      stats = dict(ev.stats)
+      if not planes and "hlo_op" not in stats:
+        continue   # host work on the CPU client's thread, not an op
+      yield ev.name, ev.duration_ns / 1e6, stats
+
+
+def top_ops(trace_dir: str, top: int) -> list[tuple[str, float, int]]:
+  """(op name, total ms, count) of the busiest device ops in a trace."""
   total: dict[str, float] = collections.defaultdict(float)
   count: dict[str, int] = collections.Counter()
-  planes = [p for p in data.planes if p.name.startswith("/device:")]
-  has_ops = any(ln.name == "XLA Ops" for p in planes for ln in p.lines)
-  for plane in planes:
-    for line in plane.lines:
-      # Without an "XLA Ops" line, the kernels of every stream line.
-      if (line.name != "XLA Ops") if has_ops else (
-          line.name in ("XLA Modules", "Steps", "XLA TraceMe")):
-        continue
-      for ev in line.events:
-        total[ev.name] += ev.duration_ns / 1e6
-        count[ev.name] += 1
+  for name, ms, _ in _device_events(trace_dir):
+    total[name] += ms
+    count[name] += 1
   ranked = sorted(total.items(), key=lambda kv: -kv[1])[:top]
   return [(name, ms, count[name]) for name, ms in ranked]
+
+
+# The compiled step's text, written beside the trace of a profiled row.
+HLO_FILE = "step.hlo.txt"
+PHASES = ("forward", "recompute", "backward")
+_INSTRUCTION = re.compile(
+    r'^\s*(?:ROOT )?%?([\w.\-]+) = [^\n]*?op_name="([^"]*)"', re.M)
+_LAYER = re.compile(r"^layer_\d+_(\w+)$")
+# A named submodule of a mixer or MoE layer (the rest are primitives).
+_SUBMODULE = re.compile(r"^(\w+_proj|\w+_down|\w+_up|kv_norm|router|shared)$")
+
+
+def _norm_name(name: str) -> str:
+  return name.replace(".", "_").replace("-", "_")
+
+
+def hlo_op_names(hlo_text: str) -> dict[str, str]:
+  """{instruction name ('.' and '-' as '_'): its op_name metadata} of a
+  compiled module's text (fusions, custom calls and plain ops alike)."""
+  return {_norm_name(m.group(1)): m.group(2)
+          for m in _INSTRUCTION.finditer(hlo_text)}
+
+
+def module_group(op_name: str) -> tuple[str, str]:
+  """(group, phase) of an op from its op_name metadata.
+
+  group: the model part it computes: "kda projections", "kda kernels and
+  elementwise", "mla projections", "mla attention and elementwise",
+  "moe router", "moe shared expert", "moe routed experts (dispatch, grouped
+  matmuls, combine)", "attn_res depth mixing", "norms", "embedding and
+  head", "model (other)", or "optimizer, loss and metrics" outside the
+  model. phase: "recompute" (a rematerialised forward), "backward" or
+  "forward".
+  """
+  parts = op_name.split("/")
+  phase = ("recompute" if "rematted_computation" in parts
+           else "backward" if any(p.startswith("transpose(") for p in parts)
+           else "forward")
+  if not any("HybridLM" in p for p in parts):
+    return "optimizer, loss and metrics", phase
+  for i, p in enumerate(parts):
+    m = _LAYER.match(p)
+    kind = m.group(1) if m else p if p.startswith("final_") or p in (
+        "head", "embed") else None
+    if kind is None:
+      continue
+    sub = next((q for q in parts[i + 1:] if _SUBMODULE.match(q)), "")
+    if "attn_res" in kind:
+      return "attn_res depth mixing", phase
+    if kind.endswith("norm"):
+      return "norms", phase
+    if kind in ("kda", "mla"):
+      proj = sub.endswith(("_proj", "_down", "_up"))
+      return (f"{kind} projections" if proj else
+              f"{kind} {'kernels' if kind == 'kda' else 'attention'} and "
+              "elementwise"), phase
+    if kind == "moe":
+      return {"router": "moe router", "shared": "moe shared expert"}.get(
+          sub, "moe routed experts (dispatch, grouped matmuls, combine)"
+      ), phase
+    if kind in ("head", "embed"):
+      return "embedding and head", phase
+    return "model (other)", phase
+  if any("one_hot" in p for p in parts):
+    return "embedding and head", phase
+  return "model (other)", phase
+
+
+def ops_by_module(trace_dir: str) -> list[tuple[str, dict[str, float]]]:
+  """[(group, {phase: ms})] of a profiled row, busiest group first.
+
+  Each device event is matched to its HLO instruction (the event's hlo_op
+  stat, else its name) in the compiled text the row saved beside the trace
+  (HLO_FILE), then grouped by `module_group` of the instruction's op_name.
+  Events with no match count as "unattributed". [] without the text.
+  """
+  path = os.path.join(trace_dir, HLO_FILE)
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    names = hlo_op_names(f.read())
+  groups: dict[str, dict[str, float]] = collections.defaultdict(
+      lambda: dict.fromkeys(PHASES, 0.0))
+  for name, ms, stats in _device_events(trace_dir):
+    op = names.get(_norm_name(str(stats.get("hlo_op", name))),
+                   names.get(_norm_name(name)))
+    if op is None:
+      groups["unattributed"]["?"] = groups["unattributed"].get("?", 0) + ms
+      continue
+    group, phase = module_group(op)
+    groups[group][phase] += ms
+  return sorted(groups.items(), key=lambda kv: -sum(kv[1].values()))
+
+
+def module_table(groups: list[tuple[str, dict[str, float]]]) -> str:
+  """Markdown table of `ops_by_module`: ms per phase, total and share."""
+  total = sum(sum(ph.values()) for _, ph in groups) or 1.0
+  out = ["| part of the step | forward ms | recompute ms | backward ms | "
+         "total ms | share |", "|---|---|---|---|---|---|"]
+  for group, ph in groups:
+    t = sum(ph.values())
+    cells = ["-" if "?" in ph else f"{ph[p]:.1f}" for p in PHASES]
+    out.append(f"| {group} | " + " | ".join(cells)
+               + f" | {t:.1f} | {t / total:.1%} |")
+  return "\n".join(out) + "\n"
 
 
 def partial_row(r: dict, progress: str, error: str) -> dict:
@@ -228,9 +352,11 @@ def _head(columns) -> str:
 
 def _lead(r: dict) -> str:
   """The row columns of r's line, open at the end for the measured ones."""
+  mb = r.get("microbatches", 1)
+  remat = r["remat"] + (f", {mb} microbatches" if mb > 1 else "")
   return (f"| {r.get('config', '')} | {r['seq_len']} x {r['batch']} | "
           f"{r['backend']} | {r['attention']} | {r['grouped_matmul']} | "
-          f"{r['remat']} ")
+          f"{remat} ")
 
 
 def compile_table(rows: list[dict]) -> str:

@@ -12,8 +12,10 @@ SPEC = dict(seq_len=32, batch=4, backend="xla", attention="xla",
 def test_row_reports_time_memory_flops_and_losses(tmp_path):
   config = load_config("default.py", "tiny,smoke")
   progress = str(tmp_path / "row.progress.jsonl")
-  row = bench.run_row(config, SPEC, steps=2, warmup=1, profile_dir=None,
-                      config_name="default.py", progress=progress)
+  prof = str(tmp_path / "trace")
+  row = bench.run_row(config, dict(SPEC, microbatches=2), steps=2, warmup=1,
+                      profile_dir=prof, config_name="default.py",
+                      progress=progress)
   assert row["step_ms"] > 0 and row["compile_s"] > 0 and row["setup_s"] > 0
   assert row["tokens_per_sec"] == 4 * 32 / (row["step_ms"] / 1e3)
   assert row["model_tflop_per_token"] > 0
@@ -21,9 +23,23 @@ def test_row_reports_time_memory_flops_and_losses(tmp_path):
   assert len(row["losses"]) == 3 and all(map(math.isfinite, row["losses"]))
   assert row["xla_temp_gib"] > 0 and row["xla_accessed_gib"] > 0
   # A second row at the same length gets its loss gap to the first.
-  md = bench.table([row, dict(row, remat="sublayer")])
+  md = bench.table([row, dict(row, remat="sublayer", microbatches=1)])
+  assert "| xla | auto | none, 2 microbatches |" in md
   assert "| default.py | 32 x 4 | xla | xla | auto | sublayer |" in md
   assert md.rstrip().endswith("| 0.0e+00 |")
+  # The profiled step's ops, by part of the model: nearly all attributed,
+  # the same total as the per-op list.
+  groups = dict(bench.ops_by_module(prof))
+  ms = {g: sum(ph.values()) for g, ph in groups.items()}
+  total = sum(ms.values())
+  assert math.isclose(total, sum(t for _, t, _ in bench.top_ops(prof, 10**9)))
+  assert ms.get("unattributed", 0.0) < 0.2 * total
+  for group in ("kda kernels and elementwise", "moe router",
+                "moe routed experts (dispatch, grouped matmuls, combine)",
+                "optimizer, loss and metrics"):
+    assert ms[group] > 0, group
+  assert groups["kda kernels and elementwise"]["backward"] > 0
+  assert "| moe router |" in bench.module_table(list(groups.items()))
   # The progress file holds what a row stopped by a time limit reports.
   part = bench.partial_row(SPEC, progress, "timed out after 9 s")
   assert part["compile_s"] == row["compile_s"]
@@ -57,3 +73,36 @@ def test_unfinished_row_says_where_its_time_went(tmp_path):
   row = bench.partial_row(SPEC, str(tmp_path / "none.jsonl"), "failed")
   assert bench.describe_error(row) == "failed" and "losses" not in row
 
+
+
+def test_ops_are_grouped_by_module_and_phase():
+  hlo = ('  %loop_add_fusion.3 = f32[4]{0} fusion(%p), kind=kLoop, '
+         'metadata={op_name="jit(train_step)/jvp(HybridLM)/layer_2_moe/'
+         'router/add" stack_frame_id=4}\n'
+         '  ROOT %custom-call.7 = bf16[8]{0} custom-call(%a), '
+         'metadata={op_name="jit(train_step)/transpose(jvp(HybridLM))/'
+         'layer_0_kda/pallas_call"}\n')
+  assert bench.hlo_op_names(hlo) == {
+      "loop_add_fusion_3": "jit(train_step)/jvp(HybridLM)/layer_2_moe/router/add",
+      "custom_call_7": "jit(train_step)/transpose(jvp(HybridLM))/layer_0_kda/"
+                       "pallas_call"}
+  pre = "jit(train_step)/transpose(jvp(HybridLM))/jvp(HybridLM)/"
+  cases = {
+      "jit(train_step)/jvp(HybridLM)/layer_3_mla/q_proj/dot_general":
+          ("mla projections", "forward"),
+      pre + "checkpoint/rematted_computation/layer_0_kda/pallas_call":
+          ("kda kernels and elementwise", "recompute"),
+      "jit(train_step)/transpose(jvp(HybridLM))/layer_1_moe/shared/mul":
+          ("moe shared expert", "backward"),
+      "jit(train_step)/jvp(HybridLM)/layer_1_moe/jit(argsort)/sort":
+          ("moe routed experts (dispatch, grouped matmuls, combine)",
+           "forward"),
+      "jit(train_step)/jvp(HybridLM)/layer_1_ffn_norm_attn_res/exp":
+          ("attn_res depth mixing", "forward"),
+      "jit(train_step)/jvp(HybridLM)/final_norm/rsqrt": ("norms", "forward"),
+      "jit(train_step)/jvp(HybridLM)/head/dot_general":
+          ("embedding and head", "forward"),
+      "jit(train_step)/mul": ("optimizer, loss and metrics", "forward"),
+  }
+  for op_name, want in cases.items():
+    assert bench.module_group(op_name) == want, op_name

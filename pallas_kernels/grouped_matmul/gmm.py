@@ -166,6 +166,10 @@ def _precision(dtype):
   return jax.lax.Precision.HIGHEST if dtype == _F32 else None
 
 
+# Jitted so that a model's call sites of one product (its layers, forward
+# and rematerialised forward) share one lowered kernel: the step's module
+# then carries each distinct kernel once, not once per call.
+@functools.partial(jax.jit, static_argnums=(3, 4, 5))
 def _gmm_call(x, w, group_sizes, transpose_rhs, tune, interpret):
   if tune.kernel == "mosaic":
     if transpose_rhs:   # the kernel reads w plainly; w is small
@@ -198,6 +202,7 @@ def _gmm_call(x, w, group_sizes, transpose_rhs, tune, interpret):
   return out[:m]
 
 
+@functools.partial(jax.jit, static_argnums=(3, 4, 5))
 def _tgmm_call(x, dy, group_sizes, out_dtype, tune, interpret):
   if tune.kernel == "mosaic":
     return mosaic.tgmm_mosaic(x, dy, group_sizes, out_dtype=out_dtype,

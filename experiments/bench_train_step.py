@@ -32,6 +32,10 @@ is the card's dense bf16 rate (printed with the card's name).
   python -m experiments.bench_train_step --config=configs/gpu_small.py \
       --seq_lens=4096,16384 --attention=cudnn,pallas --backends=pallas \
       --grouped_matmuls=pallas --out=/tmp/bench_unpacked
+  # Lowered for the GPU on any machine, not compiled: lowering s, module MB.
+  python -m experiments.bench_train_step --config=configs/gpu_1b.py \
+      --seq_lens=512 --tokens_per_step=1024 --backends=pallas --attention=xla \
+      --grouped_matmuls=mosaic --lower_for=cuda
   # Gradient accumulation instead of rematerialisation: 4 passes of 2 x 8K.
   python -m experiments.bench_train_step --config=configs/gpu_1b.py \
       --seq_lens=8192 --backends=pallas --remat=none --microbatches=4
@@ -64,6 +68,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from experiments.step_timing import (compile_table, describe_error,
+                                    lower_row, lower_table,
                                     module_table, ops_by_module,
                                     partial_row, row_name, run_row, table,
                                     top_ops)
@@ -103,6 +108,9 @@ _COMPILE_ONLY = flags.DEFINE_bool(
     "compile_only", False, "Compile each row and report XLA's estimates of "
     "its temporary memory and bytes accessed, without running a step (any "
     "backend, a CPU included).")
+_LOWER_FOR = flags.DEFINE_string(
+    "lower_for", "", "Only lower each row's step for this platform (e.g. "
+    "cuda, on a CPU too): lowering seconds and module text MB, no compile.")
 _ROW = flags.DEFINE_string("row", "", "Internal: run this one row (JSON).")
 
 def row_specs(config) -> list[dict]:
@@ -184,6 +192,13 @@ def main(argv):
                              _COMPILE_ONLY.value)))
     return
   os.makedirs(_OUT.value, exist_ok=True)
+  if _LOWER_FOR.value:   # in this process: nothing compiles or runs
+    md = lower_table([lower_row(config, r, _LOWER_FOR.value, name)
+                      for r in row_specs(config)])
+    with open(os.path.join(_OUT.value, "table.md"), "w") as f:
+      f.write(md)
+    print(md)
+    return
   # SIGTERM (e.g. an outer `timeout`) unwinds, so the running row's process
   # is killed with this one rather than left running on the device.
   signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -69,6 +69,40 @@ def compiled_stats(compiled) -> dict:
   return out
 
 
+def lower_row(config, r: dict, platform: str, config_name: str = "") -> dict:
+  """Lowers one row's step for `platform` (e.g. "cuda") without compiling
+  or running it, on any machine (the Pallas kernels lower for the card on a
+  CPU): the seconds it takes and the module's text size in MB, what grows
+  with the kernels a step carries and XLA then compiles."""
+  import jax
+  from moe_jax import sharding
+  from moe_jax.data import make_datasets
+  from moe_jax.train.loop import build_train_step
+  from moe_jax.train.step import init_train_state
+  c = configure(config, r)
+  train_iter, _, _, _ = make_datasets(dict(c.data.to_dict(), seed=c.seed))
+  setup = build_train_step(c)
+  state = jax.eval_shape(lambda: init_train_state(
+      setup.model, setup.tx, setup.rng, c.data.seq_len))
+  batch = sharding.shard_batch(next(train_iter), setup.batch_sharding,
+                               c.data.batch_size)
+  t0 = time.perf_counter()
+  with sharding.use_mesh(setup.mesh):
+    text = setup.train_step.jitted.trace(state, batch).lower(
+        lowering_platforms=(platform,)).as_text()
+  return dict(r, config=config_name, platform=platform,
+              lower_s=time.perf_counter() - t0, module_mb=len(text) / 1e6)
+
+
+def lower_table(rows: list[dict]) -> str:
+  """Markdown table of `lower_row` rows."""
+  out = [_lead(r) + (f"| {describe_error(r)} | |" if "error" in r else
+                     f"| {r['platform']} | {r['lower_s']:.1f} | "
+                     f"{r['module_mb']:.1f} |") for r in rows]
+  return (_head(("lowered for", "lower s", "module text MB"))
+          + "\n".join(out) + "\n")
+
+
 def run_row(config, r: dict, steps: int, warmup: int, profile_dir: str | None,
             config_name: str = "", peak_override: float = 0.0,
             progress: str | None = None, compile_only: bool = False) -> dict:

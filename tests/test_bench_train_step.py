@@ -106,3 +106,12 @@ def test_ops_are_grouped_by_module_and_phase():
   }
   for op_name, want in cases.items():
     assert bench.module_group(op_name) == want, op_name
+
+
+def test_lower_only_row_reports_lowering_time_and_module_size():
+  config = load_config("default.py", "tiny,smoke")
+  row = bench.lower_row(config, SPEC, "cuda", config_name="default.py")
+  assert row["lower_s"] > 0 and row["module_mb"] > 0.01
+  assert row["platform"] == "cuda" and "step_ms" not in row
+  md = bench.lower_table([row])
+  assert "| default.py | 32 x 4 | xla | xla | auto | none | cuda |" in md

@@ -311,7 +311,8 @@ def ops_by_module(trace_dir: str) -> list[tuple[str, dict[str, float]]]:
 
   Each device event is matched to its HLO instruction (the event's hlo_op
   stat, else its name) in the compiled text the row saved beside the trace
-  (HLO_FILE), then grouped by `module_group` of the instruction's op_name.
+  (HLO_FILE), then grouped by `module_group` of the instruction's op_name
+  (or of the event's own tf_op stat, where a GPU kernel carries one).
   Events with no match count as "unattributed". [] without the text.
   """
   path = os.path.join(trace_dir, HLO_FILE)
@@ -324,6 +325,8 @@ def ops_by_module(trace_dir: str) -> list[tuple[str, dict[str, float]]]:
   for name, ms, stats in _device_events(trace_dir):
     op = names.get(_norm_name(str(stats.get("hlo_op", name))),
                    names.get(_norm_name(name)))
+    if op is None and "jit(" in str(stats.get("tf_op", "")):
+      op = str(stats["tf_op"])   # a GPU kernel annotated with its op_name
     if op is None:
       groups["unattributed"]["?"] = groups["unattributed"].get("?", 0) + ms
       continue

@@ -322,16 +322,19 @@ def ops_by_module(trace_dir: str) -> list[tuple[str, dict[str, float]]]:
     names = hlo_op_names(f.read())
   groups: dict[str, dict[str, float]] = collections.defaultdict(
       lambda: dict.fromkeys(PHASES, 0.0))
+  unattributed = 0.0
   for name, ms, stats in _device_events(trace_dir):
     op = names.get(_norm_name(str(stats.get("hlo_op", name))),
                    names.get(_norm_name(name)))
     if op is None and "jit(" in str(stats.get("tf_op", "")):
       op = str(stats["tf_op"])   # a GPU kernel annotated with its op_name
     if op is None:
-      groups["unattributed"]["?"] = groups["unattributed"].get("?", 0) + ms
+      unattributed += ms
       continue
     group, phase = module_group(op)
     groups[group][phase] += ms
+  if unattributed:
+    groups["unattributed"] = {"?": unattributed}   # phase unknown
   return sorted(groups.items(), key=lambda kv: -sum(kv[1].values()))
 
 

@@ -115,3 +115,24 @@ def test_lower_only_row_reports_lowering_time_and_module_size():
   assert row["platform"] == "cuda" and "step_ms" not in row
   md = bench.lower_table([row])
   assert "| default.py | 32 x 4 | xla | xla | auto | none | cuda |" in md
+
+
+def test_events_match_by_hlo_name_or_their_own_op_annotation(tmp_path,
+                                                             monkeypatch):
+  (tmp_path / bench.HLO_FILE).write_text(
+      '  %loop_add_fusion.3 = f32[4]{0} fusion(%p), kind=kLoop, metadata={'
+      'op_name="jit(train_step)/jvp(HybridLM)/layer_2_moe/router/add"}\n')
+  events = [
+      ("loop_add_fusion_3", 2.0, {}),                      # by its name
+      ("nvjet_gemm", 3.0, {"hlo_op": "custom-call.9", "tf_op":
+                           "jit(train_step)/transpose(jvp(HybridLM))/"
+                           "layer_1_moe/shared/up/dot_general"}),
+      ("mystery_kernel", 1.0, {}),
+  ]
+  monkeypatch.setattr(bench, "_device_events", lambda _: iter(events))
+  groups = dict(bench.ops_by_module(str(tmp_path)))
+  assert groups["moe router"]["forward"] == 2.0
+  assert groups["moe shared expert"]["backward"] == 3.0
+  assert groups["unattributed"] == {"?": 1.0}
+  md = bench.module_table(list(groups.items()))
+  assert "| unattributed | - | - | - | 1.0 | 16.7% |" in md

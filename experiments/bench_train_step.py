@@ -67,7 +67,8 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from experiments.step_timing import (compile_table, describe_error,
+from experiments.step_timing import (compile_table, configure,
+                                    describe_error,
                                     lower_row, lower_table,
                                     module_table, ops_by_module,
                                     partial_row, row_name, run_row, table,
@@ -125,11 +126,9 @@ def row_specs(config) -> list[dict]:
     if tokens % t:
       raise app.UsageError(f"--tokens_per_step={tokens} is not a multiple "
                            f"of seq_len {t}")
-    if mb < 1 or (tokens // t) % mb:
-      raise app.UsageError(f"--microbatches={mb} must divide the batch of "
-                           f"{tokens // t} sequences at seq_len {t}")
     rows.append(dict(seq_len=t, batch=tokens // t, backend=be, attention=att,
                      grouped_matmul=gmm, remat=rm, microbatches=mb))
+    configure(config, rows[-1])   # every row validated before any runs
   return rows
 
 

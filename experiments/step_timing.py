@@ -69,6 +69,20 @@ def compiled_stats(compiled) -> dict:
   return out
 
 
+def _build_row(config, r: dict):
+  """(config with the row's settings, build_train_step's TrainSetup, the
+  training batches, put: a batch -> on the devices in the step's layout)."""
+  from moe_jax import sharding
+  from moe_jax.data import make_datasets
+  from moe_jax.train.loop import build_train_step
+  c = configure(config, r)
+  train_iter, _, _, _ = make_datasets(dict(c.data.to_dict(), seed=c.seed))
+  setup = build_train_step(c)
+  def put(b):
+    return sharding.shard_batch(b, setup.batch_sharding, c.data.batch_size)
+  return c, setup, train_iter, put
+
+
 def lower_row(config, r: dict, platform: str, config_name: str = "") -> dict:
   """Lowers one row's step for `platform` (e.g. "cuda") without compiling
   or running it, on any machine (the Pallas kernels lower for the card on a
@@ -76,16 +90,11 @@ def lower_row(config, r: dict, platform: str, config_name: str = "") -> dict:
   with the kernels a step carries and XLA then compiles."""
   import jax
   from moe_jax import sharding
-  from moe_jax.data import make_datasets
-  from moe_jax.train.loop import build_train_step
   from moe_jax.train.step import init_train_state
-  c = configure(config, r)
-  train_iter, _, _, _ = make_datasets(dict(c.data.to_dict(), seed=c.seed))
-  setup = build_train_step(c)
+  c, setup, train_iter, put = _build_row(config, r)
   state = jax.eval_shape(lambda: init_train_state(
       setup.model, setup.tx, setup.rng, c.data.seq_len))
-  batch = sharding.shard_batch(next(train_iter), setup.batch_sharding,
-                               c.data.batch_size)
+  batch = put(next(train_iter))
   t0 = time.perf_counter()
   with sharding.use_mesh(setup.mesh):
     text = setup.train_step.jitted.trace(state, batch).lower(
@@ -124,23 +133,16 @@ def run_row(config, r: dict, steps: int, warmup: int, profile_dir: str | None,
   t_start = time.perf_counter()
   import jax
   import numpy as np
-  from moe_jax import sharding
-  from moe_jax.data import make_datasets
   from moe_jax.planning import plan
-  from moe_jax.train.loop import build_train_step
   from moe_jax.train.step import init_train_state
 
-  c = configure(config, r)
-  train_iter, _, _, _ = make_datasets(dict(c.data.to_dict(), seed=c.seed))
+  # The step the training loop runs, in the loop's layout.
+  c, setup, train_iter, put = _build_row(config, r)
   batches = [next(train_iter) for _ in range(1 if compile_only
                                              else warmup + steps)]
-  # The step the training loop runs, in the loop's layout.
-  setup = build_train_step(c)
-  step_fn, batch_sh = setup.train_step, setup.batch_sharding
+  step_fn = setup.train_step
   state = init_train_state(setup.model, setup.tx, setup.rng, c.data.seq_len,
                            shardings=setup.state_shardings)
-  def put(b):
-    return sharding.shard_batch(b, batch_sh, c.data.batch_size)
 
   jax.block_until_ready(state)
   setup_s = time.perf_counter() - t_start

@@ -219,13 +219,14 @@ class HybridLM(nn.Module):
         x = x + f(RMSNorm(c.norm_eps, dtype=dtype, name=norm_name)(x))
       h = x
     else:
-      state = BlockAttnResState(x, c.attn_res_layers_per_block)
-      for norm_name, f in sublayers:
-        h = AttnResMix(c.norm_eps, name=norm_name + "_attn_res")(
-            state.sources())
+      state = BlockAttnResState(x, c.attn_res_layers_per_block, c.norm_eps)
+      mixers = [AttnResMix(c.d_model, c.norm_eps, name=name + "_attn_res")
+                for name in [n for n, _ in sublayers] + ["final"]]
+      for j, (norm_name, f) in enumerate(sublayers):
+        h = state.mix(mixers, j)
         self._sow_hidden_rms(h)
         state.add(f(RMSNorm(c.norm_eps, dtype=dtype, name=norm_name)(h)))
-      h = AttnResMix(c.norm_eps, name="final_attn_res")(state.sources())
+      h = state.mix(mixers, len(sublayers))
     self._sow_hidden_rms(h)
 
     h = RMSNorm(c.norm_eps, dtype=dtype, name="final_norm")(h)

@@ -10,16 +10,24 @@ with a learned pseudo-query w_l per sublayer, zero-initialised so training
 starts from the uniform average. One sublayer per block is full AttnRes (every
 earlier output is a source); memory and traffic scale with blocks, not layers.
 
-`attn_res_mix` computes the mixture with a hand-written backward: it keeps
-only the softmax weights, each source's inverse RMS and its product with the
-query ([S, B, T] each) and reads the sources again, which the model holds
-anyway, so a mix adds no [S, B, T, D] residual of its own;
-`attn_res_mix_reference` is the plain autodiff form the tests compare it
-with.
+The sublayers of one block share their completed sources, and the queries
+are parameters, not functions of the input. So the mixture runs in two
+phases (`BlockAttnResState.mix`):
+  1. at a block's start, `attn_res_mix_many` mixes the completed sources for
+     all of the block's sublayers at once: each source is read once for L
+     queries instead of once per sublayer, and its backward writes one
+     cotangent per source for the block instead of one per sublayer;
+  2. each later sublayer of the block merges that mixture with the block's
+     partial sum (`attn_res_merge`): with the completed sources' log-sum-exp
+     `lse`, the partial's weight is sigmoid(logit_p - lse).
+Both have hand-written backwards that keep only [L, S, B, T] statistics (and
+the merge its phase-1 mixture) and read the sources again, which the model
+holds for later mixes anyway. `attn_res_mix_reference` is the plain autodiff
+form of one mixture that the tests compare with.
 
-Applied with mutable=["intermediates"], each mix sows its softmax weights
-averaged over batch and tokens ('weights', [S]): the learned depth attention
-that notebook 03 plots.
+Applied with mutable=["intermediates"], each sublayer's mix sows its softmax
+weights averaged over batch and tokens ('weights', [S]): the learned depth
+attention that notebook 03 plots.
 """
 from __future__ import annotations
 
@@ -47,105 +55,200 @@ def attn_res_mix_reference(sources: Sequence[jax.Array], query: jax.Array,
 
 # The products with the query are written as multiply-and-reduce, not as
 # dots: a dot would be a matrix-vector call on a materialised fp32 copy of
-# the source; a reduction reads the source once in its own dtype.
+# the source; a reduction reads the source once in its own dtype. The query
+# gradients are sums over every token, written as dots (token-contracting
+# matrix products) in the sources' dtype with fp32 accumulation: as column
+# reductions they would be slow on a GPU.
 
 
-def _weights(sources, query, eps):
-  """Softmax weights, inverse RMS r and products v . w, each [S, B, T]
-  (fp32)."""
-  w = query.astype(jnp.float32)
+def _stats(sources, queries, eps):
+  """Inverse RMS r [S, B, T] and products v . w [L, S, B, T] (fp32) of
+  sources (S arrays [B, T, D]) with queries [L, D]."""
+  w = queries.astype(jnp.float32)
   inv_rms, vw = [], []
   for v in sources:
     v = v.astype(jnp.float32)
     inv_rms.append(jax.lax.rsqrt(jnp.mean(v * v, axis=-1) + eps))
-    vw.append(jnp.sum(v * w, axis=-1))
-  inv_rms, vw = jnp.stack(inv_rms), jnp.stack(vw)
-  return jax.nn.softmax(vw * inv_rms, axis=0), inv_rms, vw
+    vw.append(jnp.stack([jnp.sum(v * w_l, axis=-1) for w_l in w]))
+  return jnp.stack(inv_rms), jnp.stack(vw, axis=1)
 
 
 def _mix(sources, weights):
+  """sum_i weights[i] v_i: weights [S, B, T] -> [B, T, D], sources' dtype."""
   out = sum(a[..., None] * v.astype(jnp.float32)
             for a, v in zip(weights, sources))
   return out.astype(sources[0].dtype)
 
 
+def _token_dot(coef, v):
+  """sum over tokens of coef[l, b, t] v[b, t, :]: [L, D] fp32."""
+  return jax.lax.dot_general(coef.astype(v.dtype), v,
+                             (((1, 2), (0, 1)), ((), ())),
+                             preferred_element_type=jnp.float32)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def attn_res_mix_many(sources: Sequence[jax.Array], queries: jax.Array,
+                      eps: float = 1e-6
+                      ) -> tuple[tuple[jax.Array, ...], jax.Array]:
+  """L mixtures of the same sources, one per query, reading each source once.
+
+  sources: tuple of S arrays [B, T, D] (one dtype); queries: [L, D].
+  Returns (L arrays [B, T, D] in the sources' dtype: mixture l is
+  attn_res_mix_reference(sources, queries[l]); lse [L, B, T] fp32: the
+  log-sum-exp of each mixture's logits, for `attn_res_merge`).
+  """
+  return _mix_many_fwd(sources, queries, eps)[0]
+
+
+def _mix_many_fwd(sources, queries, eps):
+  inv_rms, vw = _stats(sources, queries, eps)
+  logits = vw * inv_rms[None]                                    # [L,S,B,T]
+  lse = jax.nn.logsumexp(logits, axis=1)                         # [L,B,T]
+  weights = jnp.exp(logits - lse[:, None])
+  outs = tuple(_mix(sources, a) for a in weights)
+  return (outs, lse), (sources, queries, weights, inv_rms, vw)
+
+
+def _mix_many_bwd(eps, res, cotangents):
+  # logit_li = (v_i . w_l) r_i with r_i = (mean(v_i^2) + eps)^-1/2, so
+  # dlogit_li/dv_i = r_i (w_l - (v_i . w_l) r_i^2 v_i / D), and
+  # dlse_l/dlogit_li = a_li.
+  del eps
+  sources, queries, weights, inv_rms, vw = res
+  g_outs, g_lse = cotangents
+  w = queries.astype(jnp.float32)
+  d = w.shape[-1]
+  gs = [g.astype(jnp.float32) for g in g_outs]
+  vs = [v.astype(jnp.float32) for v in sources]
+  gv = jnp.stack([jnp.stack([jnp.sum(g * v, axis=-1) for v in vs])
+                  for g in gs])                                  # [L,S,B,T]
+  d_logits = weights * (gv - jnp.sum(weights * gv, axis=1, keepdims=True)
+                        + g_lse[:, None])
+  scale = d_logits * inv_rms[None]                               # [L,S,B,T]
+  d_sources, d_queries = [], jnp.zeros_like(w)
+  for i, (v, src) in enumerate(zip(vs, sources)):
+    a, s = weights[:, i], scale[:, i]
+    r2 = inv_rms[i] * inv_rms[i]
+    dv = (sum(a_l[..., None] * g + s_l[..., None] * w_l
+              for a_l, s_l, g, w_l in zip(a, s, gs, w))
+          - (jnp.sum(s * vw[:, i], axis=0) * r2 / d)[..., None] * v)
+    d_sources.append(dv.astype(src.dtype))
+    d_queries = d_queries + _token_dot(s, src)
+  return tuple(d_sources), d_queries.astype(queries.dtype)
+
+
+attn_res_mix_many.defvjp(_mix_many_fwd, _mix_many_bwd)
+
+
 def attn_res_mix(sources: Sequence[jax.Array], query: jax.Array,
                  eps: float = 1e-6) -> jax.Array:
-  """attn_res_mix_reference's value, with a backward that saves [S, B, T]
-  arrays only.
+  """attn_res_mix_reference's value, with the backward of
+  `attn_res_mix_many` (one query).
 
   sources: tuple of S arrays [B, T, D] (one dtype); query: [D].
   Returns [B, T, D] in the sources' dtype (fp32 accumulation).
   """
-  return _mix(sources, _weights(sources, query, eps)[0])
+  return attn_res_mix_many(tuple(sources), query[None], eps)[0][0]
 
 
-def _mix_fwd(sources, query, eps):
-  weights, inv_rms, vw = _weights(sources, query, eps)
-  return _mix(sources, weights), (sources, query, weights, inv_rms, vw)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def attn_res_merge(mixed: jax.Array, lse: jax.Array, partial: jax.Array,
+                   query: jax.Array, eps: float = 1e-6) -> jax.Array:
+  """One more source merged into a mixture: the mixture over sources + [p].
+
+  mixed: [B, T, D], the mixture of the other sources under `query`, with
+  lse [B, T] the log-sum-exp of their logits (attn_res_mix_many's outputs);
+  partial: the new source p [B, T, D]; query: [D]. p's weight is
+  alpha = sigmoid(logit_p - lse), and the result
+  mixed + alpha (p - mixed) [B, T, D] in p's dtype.
+  """
+  return _merge_fwd(mixed, lse, partial, query, eps)[0]
 
 
-def _mix_bwd(eps, res, g):
-  # logit_i = (v_i . w) r_i with r_i = (mean(v_i^2) + eps)^-1/2, so
-  # dlogit_i/dv_i = r_i (w - (v_i . w) r_i^2 v_i / D).
-  del eps
-  sources, query, weights, inv_rms, vws = res
+def _merge_fwd(mixed, lse, partial, query, eps):
   w = query.astype(jnp.float32)
+  p = partial.astype(jnp.float32)
+  o = mixed.astype(jnp.float32)
+  inv_rms = jax.lax.rsqrt(jnp.mean(p * p, axis=-1) + eps)
+  pw = jnp.sum(p * w, axis=-1)
+  alpha = jax.nn.sigmoid(pw * inv_rms - lse)
+  out = (o + alpha[..., None] * (p - o)).astype(partial.dtype)
+  return out, (mixed, partial, query, alpha, inv_rms, pw)
+
+
+def _merge_bwd(eps, res, g):
+  del eps
+  mixed, partial, query, alpha, inv_rms, pw = res
+  w = query.astype(jnp.float32)
+  p = partial.astype(jnp.float32)
   g = g.astype(jnp.float32)
-  d = g.shape[-1]
-  vs = [v.astype(jnp.float32) for v in sources]
-  d_weights = jnp.stack([jnp.sum(g * v, axis=-1) for v in vs])   # [S,B,T]
-  d_logits = weights * (d_weights - jnp.sum(weights * d_weights, axis=0))
-  scale = d_logits * inv_rms                                     # [S,B,T]
-  d_sources, d_query = [], jnp.zeros_like(w)
-  for v, src, a, s, r, vw in zip(vs, sources, weights, scale, inv_rms, vws):
-    dv = (a[..., None] * g + s[..., None] * w
-          - (s * vw * r * r / d)[..., None] * v)
-    d_sources.append(dv.astype(src.dtype))
-    d_query = d_query + jnp.sum(s[..., None] * v, axis=(0, 1))
-  return tuple(d_sources), d_query.astype(query.dtype)
+  d = w.shape[-1]
+  d_alpha = jnp.sum(g * (p - mixed.astype(jnp.float32)), axis=-1)
+  d_logit = d_alpha * alpha * (1 - alpha)
+  s = d_logit * inv_rms
+  d_mixed = ((1 - alpha)[..., None] * g).astype(mixed.dtype)
+  d_partial = (alpha[..., None] * g + s[..., None] * w
+               - (s * pw * inv_rms * inv_rms / d)[..., None] * p)
+  d_query = _token_dot(s[None], partial)[0]
+  return (d_mixed, -d_logit, d_partial.astype(partial.dtype),
+          d_query.astype(query.dtype))
 
 
-attn_res_mix.defvjp(_mix_fwd, _mix_bwd)
+attn_res_merge.defvjp(_merge_fwd, _merge_bwd)
 
 
 class AttnResMix(nn.Module):
-  """Softmax mixture of sources with a zero-initialised pseudo-query.
+  """One sublayer's pseudo-query and its softmax mixture of sources.
 
   Attributes:
+    d_model: width D of the sources (the query is [D], zero-initialised).
     eps: RMSNorm epsilon for the keys.
   """
+  d_model: int
   eps: float = 1e-6
   param_dtype: jnp.dtype = jnp.float32
 
-  @nn.compact
+  def setup(self):
+    # Declared in setup so that BlockAttnResState can read the queries of a
+    # whole block before any of its sublayers runs.
+    self.query = self.param("query", with_axes(nn.initializers.zeros, None),
+                            (self.d_model,), self.param_dtype)
+
   def __call__(self, sources: Sequence[jax.Array]) -> jax.Array:
     """sources: S arrays [B, T, D] -> [B, T, D]."""
-    d = sources[0].shape[-1]
-    w = self.param("query", with_axes(nn.initializers.zeros, None), (d,),
-                   self.param_dtype)
-    sources = tuple(sources)
+    self.sow_weights(sources)
+    return attn_res_mix(tuple(sources), self.query, self.eps)
+
+  def sow_weights(self, sources: Sequence[jax.Array]) -> None:
+    """With 'intermediates' mutable: sows the softmax weights over `sources`
+    averaged over batch and tokens ('weights', [S]); else nothing."""
     if self.is_mutable_collection("intermediates"):
-      weights = _weights(sources, jax.lax.stop_gradient(w), self.eps)[0]
+      inv_rms, vw = _stats(tuple(sources),
+                           jax.lax.stop_gradient(self.query)[None], self.eps)
+      weights = jax.nn.softmax(vw[0] * inv_rms, axis=0)
       self.sow("intermediates", "weights",
                jax.lax.stop_gradient(weights.mean(axis=(1, 2))))   # [S]
-    return attn_res_mix(sources, w, self.eps)
 
 
 class BlockAttnResState:
-  """Bookkeeping of sources across sublayers (plain Python, trace-time only).
+  """Sources across sublayers (plain Python, trace-time only), and the
+  two-phase mixture over them.
 
   `sources()` lists the embedding, completed block sums and (if non-empty)
   the current partial sum; `add(out)` adds a sublayer output to the partial
-  sum and closes the block every `layers_per_block` sublayers.
+  sum and closes the block every `layers_per_block` sublayers; `mix(mixers,
+  j)` is sublayer j's input.
   """
 
-  def __init__(self, embedding: jax.Array, layers_per_block: int):
+  def __init__(self, embedding: jax.Array, layers_per_block: int,
+               eps: float = 1e-6):
     self.blocks = [embedding]
     self.partial = None
     self.in_block = 0
     self.layers_per_block = layers_per_block
+    self.eps = eps
+    self._mixed = self._lse = None
 
   def sources(self) -> list[jax.Array]:
     return self.blocks + ([self.partial] if self.partial is not None else [])
@@ -156,3 +259,23 @@ class BlockAttnResState:
     if self.in_block == self.layers_per_block:
       self.blocks.append(self.partial)
       self.partial, self.in_block = None, 0
+
+  def mix(self, mixers: Sequence[AttnResMix], j: int) -> jax.Array:
+    """The mixture of sources() under mixers[j]'s query: [B, T, D].
+
+    mixers: one AttnResMix per sublayer and a last one for the final norm; j
+    counts sublayers (len(mixers) - 1 for the final mix). At a block's start
+    the completed sources are mixed for mixers[j : j + layers_per_block] at
+    once; later sublayers of the block merge that with the partial sum.
+    """
+    k = self.in_block
+    if k == 0:
+      queries = jnp.stack(
+          [m.query for m in mixers[j:j + self.layers_per_block]])
+      self._mixed, self._lse = attn_res_mix_many(tuple(self.blocks), queries,
+                                                 self.eps)
+    mixers[j].sow_weights(self.sources())
+    if self.partial is None:
+      return self._mixed[k]
+    return attn_res_merge(self._mixed[k], self._lse[k], self.partial,
+                          mixers[j].query, self.eps)

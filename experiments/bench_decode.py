@@ -13,6 +13,13 @@ random, from numpy (a timing, not a quality measure).
 
 Prints a table (ms per output token, cache MiB: total, KDA, MLA; ratios to
 the all-MLA row of the same L) and writes OUT/rows.jsonl and OUT/table.md.
+With --profile, one more run of the loop is traced (OUT/trace_<pattern>_<L>)
+and each row adds the device time and the number of device ops per token and
+the busiest ops: a wall time per token far above the device time means the
+step is bound by launching its ops, not by computing them.
+
+  python -m experiments.bench_decode --config=configs/gpu_small.py \
+      --contexts=65536,1048576 --profile --out=/tmp/bench_decode
 """
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
+from experiments.step_timing import top_ops
 from moe_jax import decode
 from moe_jax.config_validation import validate_config
 from moe_jax.model import build_model
@@ -37,7 +45,7 @@ def define_flags():
   """Defines the command's flags; only when it runs as a command, so
   that tests import this module beside other experiments without
   their flags clashing."""
-  global _CONFIG, _CONTEXTS, _PATTERNS, _BATCH, _STEPS, _OUT
+  global _CONFIG, _CONTEXTS, _PATTERNS, _BATCH, _STEPS, _OUT, _PROFILE
   _CONFIG = config_flags.DEFINE_config_file(
       "config", "configs/gpu_small.py", "Config file (path.py[:variants]).",
       lock_config=False)
@@ -47,12 +55,18 @@ def define_flags():
   _BATCH = flags.DEFINE_integer("batch", 1, "Sequences decoded together.")
   _STEPS = flags.DEFINE_integer("steps", 32, "Timed decode steps.")
   _OUT = flags.DEFINE_string("out", "", "Output folder ('' = print only).")
+  _PROFILE = flags.DEFINE_bool("profile", False, "Trace one more run per "
+                               "row: device ms, device ops and top ops per "
+                               "token (needs --out).")
 
 
 def bench_row(config, context: int, batch: int = 1, steps: int = 32,
-              seed: int = 0) -> dict:
+              seed: int = 0, trace_dir: str | None = None) -> dict:
   """One row: time per output token and cache bytes of config's model with
-  a cache of `context` positions (see the module docstring)."""
+  a cache of `context` positions (see the module docstring). With
+  trace_dir, one more run is traced there and the row adds
+  device_ms_per_token, ops_per_token and top_ops ([name, ms per token,
+  count per token] of the 8 busiest)."""
   if not 1 <= steps < context:
     raise ValueError(f"steps must be in [1, context={context}), got {steps}")
   model = build_model(config)
@@ -102,7 +116,16 @@ def bench_row(config, context: int, batch: int = 1, steps: int = 32,
   seconds = time.perf_counter() - start
   by_kind = {k: sum(r["bytes"] for r in report if r["kind"] == k)
              for k in ("KDA", "MLA")}
-  return {"pattern": config.model.layer_pattern, "context": context,
+  profile = {}
+  if trace_dir:
+    with jax.profiler.trace(trace_dir):
+      run(params, router_state, cache, token).block_until_ready()
+    ops = top_ops(trace_dir, 10**9)
+    profile = {
+        "device_ms_per_token": sum(ms for _, ms, _ in ops) / steps,
+        "ops_per_token": sum(n for _, _, n in ops) / steps,
+        "top_ops": [[name, ms / steps, n / steps] for name, ms, n in ops[:8]]}
+  return {**profile, "pattern": config.model.layer_pattern, "context": context,
           "batch": batch, "steps": steps,
           "ms_per_token": 1e3 * seconds / steps,
           "cache_bytes": by_kind["KDA"] + by_kind["MLA"],
@@ -112,20 +135,35 @@ def bench_row(config, context: int, batch: int = 1, steps: int = 32,
 
 
 def table(rows: list[dict]) -> str:
-  """Markdown table; ratios to the all-MLA ("M") row of the same context."""
+  """Markdown table; ratios to the all-MLA ("M") row of the same context;
+  profiled rows add device ms and device ops per token."""
   ref = {r["context"]: r for r in rows if r["pattern"] == "M"}
+  profiled = any("device_ms_per_token" in r for r in rows)
+  extra = " device ms/token | ops/token |" if profiled else ""
   lines = ["| pattern | L | ms/token | cache MiB | KDA MiB | MLA MiB | "
-           "time / all-MLA | cache / all-MLA |", "|" + "---|" * 8]
+           "time / all-MLA | cache / all-MLA |" + extra,
+           "|" + "---|" * (10 if profiled else 8)]
   mib = lambda b: f"{b / 2**20:.4g}"  # noqa: E731
   for r in rows:
     m = ref.get(r["context"])
     ratio = lambda k: f"{r[k] / m[k]:.2f}" if m else "-"  # noqa: E731
+    cells = ""
+    if profiled:
+      cells = (f" {r['device_ms_per_token']:.3f} | {r['ops_per_token']:.0f} |"
+               if "device_ms_per_token" in r else " - | - |")
     lines.append(
         f"| {r['pattern']} | {r['context']} | {r['ms_per_token']:.3f} | "
         f"{mib(r['cache_bytes'])} | {mib(r['kda_cache_bytes'])} | "
         f"{mib(r['mla_cache_bytes'])} | {ratio('ms_per_token')} | "
-        f"{ratio('cache_bytes')} |")
-  return "\n".join(lines) + "\n"
+        f"{ratio('cache_bytes')} |" + cells)
+  text = "\n".join(lines) + "\n"
+  for r in rows:
+    if r.get("top_ops"):
+      text += (f"\nBusiest device ops per token, {r['pattern']} at "
+               f"{r['context']} (name, ms, count):\n\n" + "".join(
+                   f"- `{n[:80]}` {ms:.4f} ms x {k:g}\n"
+                   for n, ms, k in r["top_ops"]))
+  return text
 
 
 def main(argv):
@@ -137,6 +175,8 @@ def main(argv):
   except ValueError as e:
     raise app.UsageError(f"--contexts must be integers, got "
                          f"{_CONTEXTS.value}") from e
+  if _PROFILE.value and not _OUT.value:
+    raise app.UsageError("--profile needs --out (where the traces go)")
   patterns = _PATTERNS.value or [config.model.layer_pattern, "M"]
   rows = []
   for pattern in dict.fromkeys(patterns):
@@ -144,7 +184,10 @@ def main(argv):
     cfg.model.layer_pattern = pattern
     validate_config(cfg)
     for context in contexts:
-      rows.append(bench_row(cfg, context, _BATCH.value, _STEPS.value))
+      trace = (os.path.join(_OUT.value, f"trace_{pattern}_{context}")
+               if _PROFILE.value else None)
+      rows.append(bench_row(cfg, context, _BATCH.value, _STEPS.value,
+                            trace_dir=trace))
       print(json.dumps(rows[-1]), flush=True)
   text = table(rows)
   print(text)

@@ -72,7 +72,7 @@ from experiments.step_timing import (compile_table, configure,
                                     lower_row, lower_table,
                                     module_table, ops_by_module,
                                     partial_row, row_name, run_row, table,
-                                    top_ops)
+                                    top_ops, unattributed_ops)
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/gpu_small.py", "Config file (path.py[:variants]).",
@@ -225,6 +225,12 @@ def main(argv):
       if groups:
         summary += ("\nBy part of the model (op_name metadata of the "
                     "compiled step):\n\n" + module_table(groups))
+      missed = unattributed_ops(os.path.join(_OUT.value, row_name(r)))
+      if missed:
+        summary += ("\nBusiest unattributed ops (name, ms, count, the "
+                    "event's stats):\n\n" + "".join(
+                        f"- `{n[:90]}` {ms:.2f} ms x {k}: {st}\n"
+                        for n, ms, k, st in missed))
       with open(os.path.join(_OUT.value, "top_ops.md"), "a") as f:
         f.write(summary)
       print(summary, flush=True)

@@ -308,28 +308,36 @@ def module_group(op_name: str) -> tuple[str, str]:
   return "model (other)", phase
 
 
-def ops_by_module(trace_dir: str) -> list[tuple[str, dict[str, float]]]:
-  """[(group, {phase: ms})] of a profiled row, busiest group first.
-
-  Each device event is matched to its HLO instruction (the event's hlo_op
-  stat, else its name) in the compiled text the row saved beside the trace
-  (HLO_FILE), then grouped by `module_group` of the instruction's op_name
-  (or of the event's own tf_op stat, where a GPU kernel carries one).
-  Events with no match count as "unattributed". [] without the text.
-  """
+def _attributed_events(trace_dir: str):
+  """(name, ms, stats, op_name or None) of every device event of a profiled
+  row: the event's HLO instruction (its hlo_op stat, else its name) looked
+  up in the compiled text the row saved beside the trace (HLO_FILE), else
+  the event's own tf_op stat where a GPU kernel carries one. Nothing
+  without the text."""
   path = os.path.join(trace_dir, HLO_FILE)
   if not os.path.exists(path):
-    return []
+    return
   with open(path) as f:
     names = hlo_op_names(f.read())
-  groups: dict[str, dict[str, float]] = collections.defaultdict(
-      lambda: dict.fromkeys(PHASES, 0.0))
-  unattributed = 0.0
   for name, ms, stats in _device_events(trace_dir):
     op = names.get(_norm_name(str(stats.get("hlo_op", name))),
                    names.get(_norm_name(name)))
     if op is None and "jit(" in str(stats.get("tf_op", "")):
       op = str(stats["tf_op"])   # a GPU kernel annotated with its op_name
+    yield name, ms, stats, op
+
+
+def ops_by_module(trace_dir: str) -> list[tuple[str, dict[str, float]]]:
+  """[(group, {phase: ms})] of a profiled row, busiest group first.
+
+  Each device event is matched to its HLO instruction (`_attributed_events`)
+  and grouped by `module_group` of the instruction's op_name. Events with
+  no match count as "unattributed". [] without the compiled text.
+  """
+  groups: dict[str, dict[str, float]] = collections.defaultdict(
+      lambda: dict.fromkeys(PHASES, 0.0))
+  unattributed = 0.0
+  for _, ms, _, op in _attributed_events(trace_dir):
     if op is None:
       unattributed += ms
       continue
@@ -338,6 +346,24 @@ def ops_by_module(trace_dir: str) -> list[tuple[str, dict[str, float]]]:
   if unattributed:
     groups["unattributed"] = {"?": unattributed}   # phase unknown
   return sorted(groups.items(), key=lambda kv: -sum(kv[1].values()))
+
+
+def unattributed_ops(trace_dir: str, top: int = 8
+                     ) -> list[tuple[str, float, int, str]]:
+  """(name, total ms, count, its stats) of the busiest events that
+  `ops_by_module` could not attribute: what a new trace format or kernel
+  naming needs matched. Stats are 'key=value' pairs, values cut short."""
+  total: dict[str, float] = collections.defaultdict(float)
+  count: dict[str, int] = collections.Counter()
+  seen: dict[str, str] = {}
+  for name, ms, stats, op in _attributed_events(trace_dir):
+    if op is None:
+      total[name] += ms
+      count[name] += 1
+      seen.setdefault(name, ", ".join(
+          f"{k}={str(v)[:60]}" for k, v in sorted(stats.items())))
+  ranked = sorted(total.items(), key=lambda kv: -kv[1])[:top]
+  return [(n, ms, count[n], seen[n]) for n, ms in ranked]
 
 
 def module_table(groups: list[tuple[str, dict[str, float]]]) -> str:

@@ -134,5 +134,8 @@ def test_events_match_by_hlo_name_or_their_own_op_annotation(tmp_path,
   assert groups["moe router"]["forward"] == 2.0
   assert groups["moe shared expert"]["backward"] == 3.0
   assert groups["unattributed"] == {"?": 1.0}
+  # The unmatched event is named with its stats, for the next matcher.
+  assert bench.unattributed_ops(str(tmp_path)) == [
+      ("mystery_kernel", 1.0, 1, "")]
   md = bench.module_table(list(groups.items()))
   assert "| unattributed | - | - | - | 1.0 | 16.7% |" in md

@@ -308,6 +308,29 @@ def module_group(op_name: str) -> tuple[str, str]:
   return "model (other)", phase
 
 
+# Our kernels' names (pallas_call name=..., plus Mosaic's suffix) and cuDNN's
+# attention: where a GPU trace gives a kernel neither an HLO name nor an
+# op_name annotation, its name still says which part it computes. Its phase
+# is known only for backward-only kernels.
+_KERNEL_GROUPS = (
+    (re.compile(r"^(kda|gla)_|^chunk_output"), "kda kernels and elementwise"),
+    (re.compile(r"^t?gmm"),
+     "moe routed experts (dispatch, grouped matmuls, combine)"),
+    (re.compile(r"sdpa|^mha|flash_attention"),
+     "mla attention and elementwise"),
+)
+_BACKWARD_KERNEL = re.compile(r"grad|dstate|_dv|bprop|bwd|backward")
+
+
+def kernel_group(name: str) -> tuple[str, str] | None:
+  """(group, phase) of a kernel from its name alone, or None: phase
+  "backward" for backward-only kernels, else "?" (forward or recompute)."""
+  for pattern, group in _KERNEL_GROUPS:
+    if pattern.search(name):
+      return group, ("backward" if _BACKWARD_KERNEL.search(name) else "?")
+  return None
+
+
 def _attributed_events(trace_dir: str):
   """(name, ms, stats, op_name or None) of every device event of a profiled
   row: the event's HLO instruction (its hlo_op stat, else its name) looked
@@ -331,20 +354,16 @@ def ops_by_module(trace_dir: str) -> list[tuple[str, dict[str, float]]]:
   """[(group, {phase: ms})] of a profiled row, busiest group first.
 
   Each device event is matched to its HLO instruction (`_attributed_events`)
-  and grouped by `module_group` of the instruction's op_name. Events with
-  no match count as "unattributed". [] without the compiled text.
+  and grouped by `module_group` of the instruction's op_name; an unmatched
+  kernel by its name (`kernel_group`), else "unattributed". Phases are
+  PHASES and "?" (unknown). [] without the compiled text.
   """
   groups: dict[str, dict[str, float]] = collections.defaultdict(
-      lambda: dict.fromkeys(PHASES, 0.0))
-  unattributed = 0.0
-  for _, ms, _, op in _attributed_events(trace_dir):
-    if op is None:
-      unattributed += ms
-      continue
-    group, phase = module_group(op)
+      lambda: dict.fromkeys(PHASES + ("?",), 0.0))
+  for name, ms, _, op in _attributed_events(trace_dir):
+    group, phase = (module_group(op) if op is not None else
+                    kernel_group(name) or ("unattributed", "?"))
     groups[group][phase] += ms
-  if unattributed:
-    groups["unattributed"] = {"?": unattributed}   # phase unknown
   return sorted(groups.items(), key=lambda kv: -sum(kv[1].values()))
 
 
@@ -357,7 +376,7 @@ def unattributed_ops(trace_dir: str, top: int = 8
   count: dict[str, int] = collections.Counter()
   seen: dict[str, str] = {}
   for name, ms, stats, op in _attributed_events(trace_dir):
-    if op is None:
+    if op is None and kernel_group(name) is None:
       total[name] += ms
       count[name] += 1
       seen.setdefault(name, ", ".join(
@@ -367,13 +386,15 @@ def unattributed_ops(trace_dir: str, top: int = 8
 
 
 def module_table(groups: list[tuple[str, dict[str, float]]]) -> str:
-  """Markdown table of `ops_by_module`: ms per phase, total and share."""
+  """Markdown table of `ops_by_module`: ms per phase (and of unknown phase),
+  total and share."""
   total = sum(sum(ph.values()) for _, ph in groups) or 1.0
   out = ["| part of the step | forward ms | recompute ms | backward ms | "
-         "total ms | share |", "|---|---|---|---|---|---|"]
+         "phase unknown ms | total ms | share |",
+         "|---|---|---|---|---|---|---|"]
   for group, ph in groups:
     t = sum(ph.values())
-    cells = ["-" if "?" in ph else f"{ph[p]:.1f}" for p in PHASES]
+    cells = [f"{ph.get(p, 0.0):.1f}" for p in PHASES + ("?",)]
     out.append(f"| {group} | " + " | ".join(cells)
                + f" | {t:.1f} | {t / total:.1%} |")
   return "\n".join(out) + "\n"

@@ -117,8 +117,8 @@ def test_lower_only_row_reports_lowering_time_and_module_size():
   assert "| default.py | 32 x 4 | xla | xla | auto | none | cuda |" in md
 
 
-def test_events_match_by_hlo_name_or_their_own_op_annotation(tmp_path,
-                                                             monkeypatch):
+def test_events_match_by_hlo_name_op_annotation_or_kernel_name(tmp_path,
+                                                               monkeypatch):
   (tmp_path / bench.HLO_FILE).write_text(
       '  %loop_add_fusion.3 = f32[4]{0} fusion(%p), kind=kLoop, metadata={'
       'op_name="jit(train_step)/jvp(HybridLM)/layer_2_moe/router/add"}\n')
@@ -127,15 +127,20 @@ def test_events_match_by_hlo_name_or_their_own_op_annotation(tmp_path,
       ("nvjet_gemm", 3.0, {"hlo_op": "custom-call.9", "tf_op":
                            "jit(train_step)/transpose(jvp(HybridLM))/"
                            "layer_1_moe/shared/up/dot_general"}),
+      ("kda_chunk_grad_k", 4.0, {}),         # our kernels, by kernel name
+      ("gmm_mosaic_mosaic_gpu_kernel", 5.0, {}),
       ("mystery_kernel", 1.0, {}),
   ]
   monkeypatch.setattr(bench, "_device_events", lambda _: iter(events))
   groups = dict(bench.ops_by_module(str(tmp_path)))
   assert groups["moe router"]["forward"] == 2.0
   assert groups["moe shared expert"]["backward"] == 3.0
-  assert groups["unattributed"] == {"?": 1.0}
+  assert groups["kda kernels and elementwise"]["backward"] == 4.0
+  routed = "moe routed experts (dispatch, grouped matmuls, combine)"
+  assert groups[routed]["?"] == 5.0          # forward, recompute or backward
+  assert groups["unattributed"]["?"] == 1.0
   # The unmatched event is named with its stats, for the next matcher.
   assert bench.unattributed_ops(str(tmp_path)) == [
       ("mystery_kernel", 1.0, 1, "")]
   md = bench.module_table(list(groups.items()))
-  assert "| unattributed | - | - | - | 1.0 | 16.7% |" in md
+  assert "| unattributed | 0.0 | 0.0 | 0.0 | 1.0 | 1.0 | 6.7% |" in md

@@ -56,9 +56,9 @@ def attn_res_mix_reference(sources: Sequence[jax.Array], query: jax.Array,
 # The products with the query are written as multiply-and-reduce, not as
 # dots: a dot would be a matrix-vector call on a materialised fp32 copy of
 # the source; a reduction reads the source once in its own dtype. The query
-# gradients are sums over every token, written as dots (token-contracting
-# matrix products) in the sources' dtype with fp32 accumulation: as column
-# reductions they would be slow on a GPU.
+# gradients are sums over every token: token-contracting matrix products in
+# the sources' dtype with fp32 accumulation (a GEMM, rather than a column
+# reduction over B x T rows).
 
 
 def _stats(sources, queries, eps):

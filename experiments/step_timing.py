@@ -30,7 +30,8 @@ def peak_tflops(device_kind: str, override: float = 0.0) -> float | None:
 def row_name(r: dict) -> str:
   mb = r.get("microbatches", 1)
   return (f"T{r['seq_len']}_{r['backend']}_{r['attention']}_"
-          f"{r['grouped_matmul']}_{r['remat']}" + (f"_mb{mb}" if mb > 1 else ""))
+          f"{r['grouped_matmul']}_{r['remat']}"
+          + (f"_mb{mb}" if mb > 1 else ""))
 
 
 def configure(config, r: dict):
@@ -231,15 +232,22 @@ def _device_events(trace_dir: str):
       yield ev.name, ev.duration_ns / 1e6, stats
 
 
-def top_ops(trace_dir: str, top: int) -> list[tuple[str, float, int]]:
-  """(op name, total ms, count) of the busiest device ops in a trace."""
+def _busiest(events, top: int) -> list[tuple[str, float, int]]:
+  """(name, total ms, count) of the `top` names of (name, ms) events with
+  the most total time."""
   total: dict[str, float] = collections.defaultdict(float)
   count: dict[str, int] = collections.Counter()
-  for name, ms, _ in _device_events(trace_dir):
+  for name, ms in events:
     total[name] += ms
     count[name] += 1
   ranked = sorted(total.items(), key=lambda kv: -kv[1])[:top]
   return [(name, ms, count[name]) for name, ms in ranked]
+
+
+def top_ops(trace_dir: str, top: int) -> list[tuple[str, float, int]]:
+  """(op name, total ms, count) of the busiest device ops in a trace."""
+  return _busiest(((name, ms) for name, ms, _ in _device_events(trace_dir)),
+                  top)
 
 
 # The compiled step's text, written beside the trace of a profiled row.
@@ -372,17 +380,15 @@ def unattributed_ops(trace_dir: str, top: int = 8
   """(name, total ms, count, its stats) of the busiest events that
   `ops_by_module` could not attribute: what a new trace format or kernel
   naming needs matched. Stats are 'key=value' pairs, values cut short."""
-  total: dict[str, float] = collections.defaultdict(float)
-  count: dict[str, int] = collections.Counter()
+  missed = [(name, ms, stats)
+            for name, ms, stats, op in _attributed_events(trace_dir)
+            if op is None and kernel_group(name) is None]
   seen: dict[str, str] = {}
-  for name, ms, stats, op in _attributed_events(trace_dir):
-    if op is None and kernel_group(name) is None:
-      total[name] += ms
-      count[name] += 1
-      seen.setdefault(name, ", ".join(
-          f"{k}={str(v)[:60]}" for k, v in sorted(stats.items())))
-  ranked = sorted(total.items(), key=lambda kv: -kv[1])[:top]
-  return [(n, ms, count[n], seen[n]) for n, ms in ranked]
+  for name, _, stats in missed:
+    seen.setdefault(name, ", ".join(
+        f"{k}={str(v)[:60]}" for k, v in sorted(stats.items())))
+  return [(n, ms, k, seen[n])
+          for n, ms, k in _busiest(((n, ms) for n, ms, _ in missed), top)]
 
 
 def module_table(groups: list[tuple[str, dict[str, float]]]) -> str:

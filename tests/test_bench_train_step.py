@@ -74,7 +74,6 @@ def test_unfinished_row_says_where_its_time_went(tmp_path):
   assert bench.describe_error(row) == "failed" and "losses" not in row
 
 
-
 def test_ops_are_grouped_by_module_and_phase():
   hlo = ('  %loop_add_fusion.3 = f32[4]{0} fusion(%p), kind=kLoop, '
          'metadata={op_name="jit(train_step)/jvp(HybridLM)/layer_2_moe/'

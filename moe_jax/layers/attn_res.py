@@ -80,6 +80,17 @@ def _mix(sources, weights):
   return out.astype(sources[0].dtype)
 
 
+def _key_grad(scale, w, vw, inv_rms, v):
+  """sum_l scale_l dlogit_l/dv for logit_l = (v . w_l) r, r = (mean(v^2) +
+  eps)^-1/2: sum_l scale_l r (w_l - (v . w_l) r^2 v / D), with scale [L, B,
+  T] already multiplied by r; w [L, D], vw [L, B, T], inv_rms [B, T], v
+  [B, T, D] fp32. Returns [B, T, D] fp32."""
+  d = w.shape[-1]
+  return (sum(s_l[..., None] * w_l for s_l, w_l in zip(scale, w))
+          - (jnp.sum(scale * vw, axis=0) * inv_rms * inv_rms / d)[..., None]
+          * v)
+
+
 def _token_dot(coef, v):
   """sum over tokens of coef[l, b, t] v[b, t, :]: [L, D] fp32."""
   return jax.lax.dot_general(coef.astype(v.dtype), v,
@@ -111,14 +122,11 @@ def _mix_many_fwd(sources, queries, eps):
 
 
 def _mix_many_bwd(eps, res, cotangents):
-  # logit_li = (v_i . w_l) r_i with r_i = (mean(v_i^2) + eps)^-1/2, so
-  # dlogit_li/dv_i = r_i (w_l - (v_i . w_l) r_i^2 v_i / D), and
-  # dlse_l/dlogit_li = a_li.
+  # logit_li = (v_i . w_l) r_i (`_key_grad`), and dlse_l/dlogit_li = a_li.
   del eps
   sources, queries, weights, inv_rms, vw = res
   g_outs, g_lse = cotangents
   w = queries.astype(jnp.float32)
-  d = w.shape[-1]
   gs = [g.astype(jnp.float32) for g in g_outs]
   vs = [v.astype(jnp.float32) for v in sources]
   gv = jnp.stack([jnp.stack([jnp.sum(g * v, axis=-1) for v in vs])
@@ -129,10 +137,8 @@ def _mix_many_bwd(eps, res, cotangents):
   d_sources, d_queries = [], jnp.zeros_like(w)
   for i, (v, src) in enumerate(zip(vs, sources)):
     a, s = weights[:, i], scale[:, i]
-    r2 = inv_rms[i] * inv_rms[i]
-    dv = (sum(a_l[..., None] * g + s_l[..., None] * w_l
-              for a_l, s_l, g, w_l in zip(a, s, gs, w))
-          - (jnp.sum(s * vw[:, i], axis=0) * r2 / d)[..., None] * v)
+    dv = (sum(a_l[..., None] * g for a_l, g in zip(a, gs))
+          + _key_grad(s, w, vw[:, i], inv_rms[i], v))
     d_sources.append(dv.astype(src.dtype))
     d_queries = d_queries + _token_dot(s, src)
   return tuple(d_sources), d_queries.astype(queries.dtype)
@@ -167,11 +173,10 @@ def attn_res_merge(mixed: jax.Array, lse: jax.Array, partial: jax.Array,
 
 
 def _merge_fwd(mixed, lse, partial, query, eps):
-  w = query.astype(jnp.float32)
   p = partial.astype(jnp.float32)
   o = mixed.astype(jnp.float32)
-  inv_rms = jax.lax.rsqrt(jnp.mean(p * p, axis=-1) + eps)
-  pw = jnp.sum(p * w, axis=-1)
+  inv_rms, pw = _stats((partial,), query[None], eps)
+  inv_rms, pw = inv_rms[0], pw[0, 0]
   alpha = jax.nn.sigmoid(pw * inv_rms - lse)
   out = (o + alpha[..., None] * (p - o)).astype(partial.dtype)
   return out, (mixed, partial, query, alpha, inv_rms, pw)
@@ -183,13 +188,12 @@ def _merge_bwd(eps, res, g):
   w = query.astype(jnp.float32)
   p = partial.astype(jnp.float32)
   g = g.astype(jnp.float32)
-  d = w.shape[-1]
   d_alpha = jnp.sum(g * (p - mixed.astype(jnp.float32)), axis=-1)
   d_logit = d_alpha * alpha * (1 - alpha)
   s = d_logit * inv_rms
   d_mixed = ((1 - alpha)[..., None] * g).astype(mixed.dtype)
-  d_partial = (alpha[..., None] * g + s[..., None] * w
-               - (s * pw * inv_rms * inv_rms / d)[..., None] * p)
+  d_partial = (alpha[..., None] * g
+               + _key_grad(s[None], w[None], pw[None], inv_rms, p))
   d_query = _token_dot(s[None], partial)[0]
   return (d_mixed, -d_logit, d_partial.astype(partial.dtype),
           d_query.astype(query.dtype))

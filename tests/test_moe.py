@@ -207,3 +207,18 @@ def test_latent_experts_shrink_expert_params():
   model = _moe(expert_latent_dim=4)
   y = _fwd(model)(*init_moe(model, x), x)
   assert y.shape == x.shape and np.all(np.isfinite(y))
+
+
+def test_few_tokens_gather_path_matches_loop_values_and_grads():
+  # B*T*K = 4 <= E: the ragged dispatch gathers the routed experts' weights
+  # (the decode step's path) instead of sorting into grouped matmuls.
+  x = jax.random.normal(jax.random.PRNGKey(3), (2, 1, D))
+  ragged, loop = _moe("ragged"), _moe("loop")
+  params, state = init_moe(ragged, x)
+  ct = jax.random.normal(jax.random.PRNGKey(4), x.shape)
+  (_, y_r), (gp_r, gx_r) = _value_and_grad(ragged)(params, state, x, ct)
+  (_, y_l), (gp_l, gx_l) = _value_and_grad(loop)(params, state, x, ct)
+  assert np.isfinite(np.asarray(y_r)).all()
+  np.testing.assert_allclose(y_r, y_l, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(gx_r, gx_l, rtol=1e-4, atol=1e-5)
+  chex.assert_trees_all_close(gp_r, gp_l, rtol=1e-4, atol=1e-5)

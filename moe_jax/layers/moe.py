@@ -3,7 +3,9 @@
 Routed dispatch "ragged" sorts (token, slot) pairs by expert and runs grouped
 matmuls (expert_parallel.ragged_experts): `jax.lax.ragged_dot`, or on a GPU
 the Pallas grouped matmul of pallas_kernels.grouped_matmul; split over the
-"expert" mesh axis with an all-to-all when the ambient mesh has one. "loop"
+"expert" mesh axis with an all-to-all when the ambient mesh has one. With
+no more (token, slot) pairs than experts (a decode step) it gathers the
+routed experts' weights instead (expert_parallel.gathered_experts). "loop"
 runs every expert on every token and masks, the obviously-correct reference
 used by tests. Both give the same values and gradients. Router state/stats
 live in the `router_state` / `router_stats` collections of the `router`
@@ -20,7 +22,8 @@ import jax.numpy as jnp
 from moe_jax.balancing import QB_HIST_SCALE
 from moe_jax.layers import mesh_utils
 from moe_jax.layers.expert_parallel import (
-    expert_parallel_experts, ragged_experts as _ragged_experts, token_axes)
+    expert_parallel_experts, gathered_experts,
+    ragged_experts as _ragged_experts, token_axes)
 from moe_jax.layers.param_axes import with_axes
 from moe_jax.layers.router import Router
 
@@ -84,7 +87,8 @@ class MoE(nn.Module):
       and L -> D (`latent_up`) after; the router and shared expert see x.
     qb_estimator, qb_bins, qb_range, qb_scale: Quantile-Balancing estimator
       settings, passed to the Router (see router.py).
-    dispatch: "ragged" (sort + grouped matmul) | "loop" (reference).
+    dispatch: "ragged" (sort + grouped matmul; weight gathers when N * top_k
+      <= num_experts) | "loop" (reference).
     grouped_matmul: the ragged dispatch's grouped products, one of
       expert_parallel.GROUPED_MATMULS ("auto": the Pallas kernels on a GPU,
       jax.lax.ragged_dot elsewhere).
@@ -176,6 +180,10 @@ class MoE(nn.Module):
           expert_axis=ax.expert, batch_axes=ax.batch,
           context_axis=ax.context, capacity_factor=self.ep_capacity_factor,
           matmul=self.grouped_matmul).reshape(-1, d_in)
+    elif self.dispatch == "ragged" and xf.shape[0] * self.top_k <= e:
+      # A decode step's few tokens: gather their experts' weights rather
+      # than stream all E through the grouped matmul.
+      y = gathered_experts(x_experts, idx, w, w_gate, w_up, w_down)
     elif self.dispatch == "ragged":
       y = _ragged_experts(x_experts, idx, w, w_gate, w_up, w_down,
                           self.grouped_matmul)

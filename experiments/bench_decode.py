@@ -1,25 +1,31 @@
 r"""Decoding cost at a context length: time per output token, cache memory.
 
 For each layer pattern (default the config's and "M", the all-MLA model of
-the same width and depth) and each context length L, builds a cache of
-T_max = L positions whose MLA layers are filled up to L - steps (random
-latents; the KDA state is constant in L, so its values do not matter for
-the cost), then times a jitted loop of `steps` greedy decode steps (the
-last one reaching position L) after one compiled warm-up run. Params are
-random, from numpy (a timing, not a quality measure).
+the same width and depth), each context length L and each batch B, builds
+a cache of B sequences of T_max = L positions whose MLA layers are filled
+up to L - steps (random latents; the KDA state is constant in L, so its
+values do not matter for the cost), then times a jitted loop of `steps`
+greedy decode steps (the last one reaching position L) after one compiled
+warm-up run. Params are random, from numpy (a timing, not a quality
+measure). A step emits B tokens: ms per output token is the step's time
+over B. At B = 1 it is the latency of one sequence; at larger B the step
+reads B caches against one pass over the weights, so the cache's share of
+the time grows with B.
 
   python -m experiments.bench_decode --config=configs/gpu_small.py \
       --contexts=65536,1048576 --out=/tmp/bench_decode
 
-Prints a table (ms per output token, cache MiB: total, KDA, MLA; ratios to
-the all-MLA row of the same L) and writes OUT/rows.jsonl and OUT/table.md.
+Prints a table (ms per step and per output token, cache MiB: total, KDA,
+MLA; ratios to the all-MLA row of the same L and B) and writes OUT/rows.jsonl and OUT/table.md.
 With --profile, one more run of the loop is traced (OUT/trace_<pattern>_<L>)
-and each row adds the device time and the number of device ops per token and
-the busiest ops: a wall time per token far above the device time means the
+and each row adds the device time and the number of device ops per step and
+the busiest ops: a wall time per step far above the device time means the
 step is bound by launching its ops, not by computing them.
 
   python -m experiments.bench_decode --config=configs/gpu_small.py \
       --contexts=65536,1048576 --profile --out=/tmp/bench_decode
+  python -m experiments.bench_decode --config=configs/gpu_small.py \
+      --contexts=1048576 --batches=1,8 --out=/tmp/bench_decode_batch
 """
 from __future__ import annotations
 
@@ -52,7 +58,8 @@ def define_flags():
   _CONTEXTS = flags.DEFINE_list("contexts", ["65536"], "Context lengths L.")
   _PATTERNS = flags.DEFINE_list("patterns", [], "model.layer_pattern values; "
                                 "default the config's and M (all-MLA).")
-  _BATCH = flags.DEFINE_integer("batch", 1, "Sequences decoded together.")
+  _BATCH = flags.DEFINE_list("batches", ["1"], "Sequences decoded together "
+                             "(B), one row per value.")
   _STEPS = flags.DEFINE_integer("steps", 32, "Timed decode steps.")
   _OUT = flags.DEFINE_string("out", "", "Output folder ('' = print only).")
   _PROFILE = flags.DEFINE_bool("profile", False, "Trace one more run per "
@@ -62,11 +69,12 @@ def define_flags():
 
 def bench_row(config, context: int, batch: int = 1, steps: int = 32,
               seed: int = 0, trace_dir: str | None = None) -> dict:
-  """One row: time per output token and cache bytes of config's model with
-  a cache of `context` positions (see the module docstring). With
+  """One row: time per step and per output token (step / batch) and cache
+  bytes of config's model with a cache of `context` positions for `batch`
+  sequences (see the module docstring). With
   trace_dir, one more run is traced there and the row adds
-  device_ms_per_token, ops_per_token and top_ops ([name, ms per token,
-  count per token] of the 8 busiest)."""
+  device_ms_per_step, ops_per_step and top_ops ([name, ms per step, count
+  per step] of the 8 busiest)."""
   if not 1 <= steps < context:
     raise ValueError(f"steps must be in [1, context={context}), got {steps}")
   model = build_model(config)
@@ -122,12 +130,13 @@ def bench_row(config, context: int, batch: int = 1, steps: int = 32,
       run(params, router_state, cache, token).block_until_ready()
     ops = top_ops(trace_dir, 10**9)
     profile = {
-        "device_ms_per_token": sum(ms for _, ms, _ in ops) / steps,
-        "ops_per_token": sum(n for _, _, n in ops) / steps,
+        "device_ms_per_step": sum(ms for _, ms, _ in ops) / steps,
+        "ops_per_step": sum(n for _, _, n in ops) / steps,
         "top_ops": [[name, ms / steps, n / steps] for name, ms, n in ops[:8]]}
   return {**profile, "pattern": config.model.layer_pattern, "context": context,
           "batch": batch, "steps": steps,
-          "ms_per_token": 1e3 * seconds / steps,
+          "ms_per_step": 1e3 * seconds / steps,
+          "ms_per_token": 1e3 * seconds / steps / batch,
           "cache_bytes": by_kind["KDA"] + by_kind["MLA"],
           "kda_cache_bytes": by_kind["KDA"],
           "mla_cache_bytes": by_kind["MLA"], "compile_s": compile_s,
@@ -135,34 +144,35 @@ def bench_row(config, context: int, batch: int = 1, steps: int = 32,
 
 
 def table(rows: list[dict]) -> str:
-  """Markdown table; ratios to the all-MLA ("M") row of the same context;
-  profiled rows add device ms and device ops per token."""
-  ref = {r["context"]: r for r in rows if r["pattern"] == "M"}
-  profiled = any("device_ms_per_token" in r for r in rows)
-  extra = " device ms/token | ops/token |" if profiled else ""
-  lines = ["| pattern | L | ms/token | cache MiB | KDA MiB | MLA MiB | "
-           "time / all-MLA | cache / all-MLA |" + extra,
-           "|" + "---|" * (10 if profiled else 8)]
+  """Markdown table; ratios to the all-MLA ("M") row of the same context and
+  batch; profiled rows add device ms and device ops per step."""
+  ref = {(r["context"], r["batch"]): r for r in rows if r["pattern"] == "M"}
+  profiled = any("device_ms_per_step" in r for r in rows)
+  extra = " device ms/step | ops/step |" if profiled else ""
+  lines = ["| pattern | L | B | ms/step | ms/token | cache MiB | KDA MiB | "
+           "MLA MiB | time / all-MLA | cache / all-MLA |" + extra,
+           "|" + "---|" * (12 if profiled else 10)]
   mib = lambda b: f"{b / 2**20:.4g}"  # noqa: E731
   for r in rows:
-    m = ref.get(r["context"])
+    m = ref.get((r["context"], r["batch"]))
     ratio = lambda k: f"{r[k] / m[k]:.2f}" if m else "-"  # noqa: E731
     cells = ""
     if profiled:
-      cells = (f" {r['device_ms_per_token']:.3f} | {r['ops_per_token']:.0f} |"
-               if "device_ms_per_token" in r else " - | - |")
+      cells = (f" {r['device_ms_per_step']:.3f} | {r['ops_per_step']:.0f} |"
+               if "device_ms_per_step" in r else " - | - |")
     lines.append(
-        f"| {r['pattern']} | {r['context']} | {r['ms_per_token']:.3f} | "
+        f"| {r['pattern']} | {r['context']} | {r['batch']} | "
+        f"{r['ms_per_step']:.3f} | {r['ms_per_token']:.3f} | "
         f"{mib(r['cache_bytes'])} | {mib(r['kda_cache_bytes'])} | "
         f"{mib(r['mla_cache_bytes'])} | {ratio('ms_per_token')} | "
         f"{ratio('cache_bytes')} |" + cells)
   text = "\n".join(lines) + "\n"
   for r in rows:
     if r.get("top_ops"):
-      text += (f"\nBusiest device ops per token, {r['pattern']} at "
-               f"{r['context']} (name, ms, count):\n\n" + "".join(
-                   f"- `{n[:80]}` {ms:.4f} ms x {k:g}\n"
-                   for n, ms, k in r["top_ops"]))
+      text += (f"\nBusiest device ops per step, {r['pattern']} at "
+               f"L={r['context']}, B={r['batch']} (name, ms, count):\n\n"
+               + "".join(f"- `{n[:80]}` {ms:.4f} ms x {k:g}\n"
+                         for n, ms, k in r["top_ops"]))
   return text
 
 
@@ -172,9 +182,12 @@ def main(argv):
   config = _CONFIG.value
   try:
     contexts = [int(c) for c in _CONTEXTS.value]
+    batches = [int(b) for b in _BATCH.value]
   except ValueError as e:
-    raise app.UsageError(f"--contexts must be integers, got "
-                         f"{_CONTEXTS.value}") from e
+    raise app.UsageError(f"--contexts and --batches must be integers, got "
+                         f"{_CONTEXTS.value} and {_BATCH.value}") from e
+  if min(batches, default=0) < 1:
+    raise app.UsageError(f"--batches must be >= 1, got {_BATCH.value}")
   if _PROFILE.value and not _OUT.value:
     raise app.UsageError("--profile needs --out (where the traces go)")
   patterns = _PATTERNS.value or [config.model.layer_pattern, "M"]
@@ -184,11 +197,12 @@ def main(argv):
     cfg.model.layer_pattern = pattern
     validate_config(cfg)
     for context in contexts:
-      trace = (os.path.join(_OUT.value, f"trace_{pattern}_{context}")
-               if _PROFILE.value else None)
-      rows.append(bench_row(cfg, context, _BATCH.value, _STEPS.value,
-                            trace_dir=trace))
-      print(json.dumps(rows[-1]), flush=True)
+      for batch in batches:
+        trace = (os.path.join(_OUT.value, f"trace_{pattern}_{context}_{batch}")
+                 if _PROFILE.value else None)
+        rows.append(bench_row(cfg, context, batch, _STEPS.value,
+                              trace_dir=trace))
+        print(json.dumps(rows[-1]), flush=True)
   text = table(rows)
   print(text)
   if _OUT.value:

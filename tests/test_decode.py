@@ -280,18 +280,21 @@ def test_bench_decode_rows_hybrid_against_all_mla(tmp_path):
     config = load_config("default.py", "tiny,smoke")
     config.model.layer_pattern = pattern
     trace = str(tmp_path / pattern) if pattern == "KM" else None
-    rows.append(bench_decode.bench_row(config, 64, batch=1, steps=2,
+    rows.append(bench_decode.bench_row(config, 64, batch=2, steps=2,
                                        trace_dir=trace))
   hybrid, all_mla = rows
   assert hybrid["kda_cache_bytes"] > 0 and all_mla["kda_cache_bytes"] == 0
   r = load_config("default.py", "tiny,smoke").model.mla.kv_lora_rank
-  # 2 MLA layers: latent and segment id per position, index.
-  assert all_mla["mla_cache_bytes"] == 2 * (64 * (r + 1) * 4 + 4)
+  # 2 MLA layers: per sequence a latent and segment id per position; an index.
+  assert all_mla["mla_cache_bytes"] == 2 * (2 * 64 * (r + 1) * 4 + 4)
   assert hybrid["mla_cache_bytes"] == all_mla["mla_cache_bytes"] // 2
-  assert all(row["ms_per_token"] > 0 for row in rows)
-  # The traced row: device time and ops per token, its busiest ops.
-  assert 0 < hybrid["device_ms_per_token"] and hybrid["ops_per_token"] >= 10
-  assert len(hybrid["top_ops"]) == 8 and "device_ms_per_token" not in all_mla
+  # A step emits one token per sequence.
+  for row in rows:
+    assert row["ms_per_token"] > 0
+    np.testing.assert_allclose(row["ms_per_token"], row["ms_per_step"] / 2)
+  # The traced row: device time and ops per step, its busiest ops.
+  assert 0 < hybrid["device_ms_per_step"] and hybrid["ops_per_step"] >= 10
+  assert len(hybrid["top_ops"]) == 8 and "device_ms_per_step" not in all_mla
   text = bench_decode.table(rows)
-  assert "| KM | 64 |" in text and text.count("| 1.00 | 1.00 | - | - |") == 1
-  assert "Busiest device ops per token, KM at 64" in text
+  assert "| KM | 64 | 2 |" in text and text.count("| 1.00 | 1.00 | - | - |") == 1
+  assert "Busiest device ops per step, KM at L=64, B=2" in text

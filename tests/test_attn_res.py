@@ -4,6 +4,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from conftest import load_config
 from moe_jax.layers import attn_res
@@ -141,7 +142,18 @@ def _mix_loss(mix, srcs, w, g):
   return jnp.sum(mix(srcs, w).astype(jnp.float32) * g)
 
 
-def test_mix_matches_reference_values_and_gradients():
+@pytest.fixture(params=["per_source", "stacked"])
+def source_layout(request, monkeypatch):
+  """Both forms of the statistics and the mixture: per source (training
+  sizes) and stacked (sources this small, e.g. a decode step's)."""
+  if request.param == "per_source":
+    monkeypatch.setattr(attn_res, "_STACK_MAX_ELEMENTS", 0)
+  else:
+    assert 2 * 7 * 16 <= attn_res._STACK_MAX_ELEMENTS
+  return request.param
+
+
+def test_mix_matches_reference_values_and_gradients(source_layout):
   """The hand-written backward against autodiff of the plain form: fp32 at
   1e-5 with one source, bf16 at bf16 precision with five, a random query
   (three sources and three queries: the test below)."""
@@ -166,7 +178,8 @@ def _lse_reference(srcs, w):
   return jax.nn.logsumexp(jnp.einsum("sbtd,d->sbt", rms_normalize(v), w), 0)
 
 
-def test_mix_many_and_merge_match_reference_values_and_gradients():
+def test_mix_many_and_merge_match_reference_values_and_gradients(
+    source_layout):
   """attn_res_mix_many (3 queries: mixtures and log-sum-exps) and
   attn_res_merge (one more source) against the plain form, with cotangents
   on every output: fp32 at 1e-5, bf16 at bf16 precision."""

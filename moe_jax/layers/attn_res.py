@@ -61,10 +61,28 @@ def attn_res_mix_reference(sources: Sequence[jax.Array], query: jax.Array,
 # reduction over B x T rows).
 
 
+# Sources of at most this many elements (a decode step's [B, 1, D]) are
+# stacked: one fused pass over [S, B, T, D] replaces S per-source passes,
+# and a step's launches are what its time is made of. Training-size sources
+# stay separate, so no stacked fp32 copy is written.
+_STACK_MAX_ELEMENTS = 1 << 16
+
+
+def _stacked(sources):
+  """[S, B, T, D] fp32 if the sources are small enough to stack, else None."""
+  if sources[0].size > _STACK_MAX_ELEMENTS:
+    return None
+  return jnp.stack(sources).astype(jnp.float32)
+
+
 def _stats(sources, queries, eps):
   """Inverse RMS r [S, B, T] and products v . w [L, S, B, T] (fp32) of
   sources (S arrays [B, T, D]) with queries [L, D]."""
   w = queries.astype(jnp.float32)
+  v = _stacked(sources)
+  if v is not None:
+    inv_rms = jax.lax.rsqrt(jnp.mean(v * v, axis=-1) + eps)
+    return inv_rms, jnp.sum(v[None] * w[:, None, None, None], axis=-1)
   inv_rms, vw = [], []
   for v in sources:
     v = v.astype(jnp.float32)
@@ -75,6 +93,9 @@ def _stats(sources, queries, eps):
 
 def _mix(sources, weights):
   """sum_i weights[i] v_i: weights [S, B, T] -> [B, T, D], sources' dtype."""
+  v = _stacked(sources)
+  if v is not None:
+    return jnp.sum(weights[..., None] * v, axis=0).astype(sources[0].dtype)
   out = sum(a[..., None] * v.astype(jnp.float32)
             for a, v in zip(weights, sources))
   return out.astype(sources[0].dtype)

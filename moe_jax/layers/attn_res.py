@@ -92,13 +92,16 @@ def _stats(sources, queries, eps):
 
 
 def _mix(sources, weights):
-  """sum_i weights[i] v_i: weights [S, B, T] -> [B, T, D], sources' dtype."""
+  """sum_i weights[l, i] v_i for each l: weights [L, S, B, T] -> L arrays
+  [B, T, D] in the sources' dtype."""
+  dtype = sources[0].dtype
   v = _stacked(sources)
   if v is not None:
-    return jnp.sum(weights[..., None] * v, axis=0).astype(sources[0].dtype)
-  out = sum(a[..., None] * v.astype(jnp.float32)
-            for a, v in zip(weights, sources))
-  return out.astype(sources[0].dtype)
+    out = jnp.sum(weights[..., None] * v[None], axis=1)          # [L,B,T,D]
+    return tuple(o.astype(dtype) for o in out)
+  return tuple(sum(a[..., None] * v.astype(jnp.float32)
+                   for a, v in zip(w_l, sources)).astype(dtype)
+               for w_l in weights)
 
 
 def _key_grad(scale, w, vw, inv_rms, v):
@@ -138,7 +141,7 @@ def _mix_many_fwd(sources, queries, eps):
   logits = vw * inv_rms[None]                                    # [L,S,B,T]
   lse = jax.nn.logsumexp(logits, axis=1)                         # [L,B,T]
   weights = jnp.exp(logits - lse[:, None])
-  outs = tuple(_mix(sources, a) for a in weights)
+  outs = _mix(sources, weights)
   return (outs, lse), (sources, queries, weights, inv_rms, vw)
 
 

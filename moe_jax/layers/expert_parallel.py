@@ -166,10 +166,9 @@ def gathered_experts(x, idx, w, w_gate, w_up, w_down):
   grouped kernel: the path for a decode step (N*k <= E).
   """
   e = w_gate.shape[0]
-  # Ids equal to E (dropped slots) read expert 0 under a zero weight.
+  # Ids equal to E (dropped slots) clip to expert E - 1 under a zero weight.
   w = jnp.where(idx < e, w, 0.0)
-  rows = jnp.minimum(idx, e - 1)                                 # [N, k]
-  take = lambda a: jnp.take(a, rows, axis=0, mode="clip")  # noqa: E731
+  take = lambda a: jnp.take(a, idx, axis=0, mode="clip")  # noqa: E731
   gate = jnp.einsum("nd,nkdf->nkf", x, take(w_gate))
   up = jnp.einsum("nd,nkdf->nkf", x, take(w_up))
   h = jax.nn.silu(gate) * up                                     # [N, k, F]

@@ -16,9 +16,9 @@ the time grows with B.
       --contexts=65536,1048576 --out=/tmp/bench_decode
 
 Prints a table (ms per step and per output token, cache MiB: total, KDA,
-MLA; ratios to the all-MLA row of the same L and B) and writes OUT/rows.jsonl and OUT/table.md.
-With --profile, one more run of the loop is traced (OUT/trace_<pattern>_<L>)
-and each row adds the device time and the number of device ops per step and
+MLA; ratios to the all-MLA row of the same L and B) and writes
+OUT/rows.jsonl and OUT/table.md. With --profile, one more run of the loop
+is traced (OUT/trace_<pattern>_<L>_<B>) and each row adds the device time and the number of device ops per step and
 the busiest ops: a wall time per step far above the device time means the
 step is bound by launching its ops, not by computing them.
 
@@ -52,30 +52,29 @@ def define_flags():
   """Defines the command's flags; only when it runs as a command, so
   that tests import this module beside other experiments without
   their flags clashing."""
-  global _CONFIG, _CONTEXTS, _PATTERNS, _BATCH, _STEPS, _OUT, _PROFILE
+  global _CONFIG, _CONTEXTS, _PATTERNS, _BATCHES, _STEPS, _OUT, _PROFILE
   _CONFIG = config_flags.DEFINE_config_file(
       "config", "configs/gpu_small.py", "Config file (path.py[:variants]).",
       lock_config=False)
   _CONTEXTS = flags.DEFINE_list("contexts", ["65536"], "Context lengths L.")
   _PATTERNS = flags.DEFINE_list("patterns", [], "model.layer_pattern values; "
                                 "default the config's and M (all-MLA).")
-  _BATCH = flags.DEFINE_list("batches", ["1"], "Sequences decoded together "
-                             "(B), one row per value.")
+  _BATCHES = flags.DEFINE_list("batches", ["1"], "Sequences decoded "
+                               "together (B), one row per value.")
   _STEPS = flags.DEFINE_integer("steps", 32, "Timed decode steps.")
   _OUT = flags.DEFINE_string("out", "", "Output folder ('' = print only).")
   _PROFILE = flags.DEFINE_bool("profile", False, "Trace one more run per "
                                "row: device ms, device ops and top ops per "
-                               "token (needs --out).")
+                               "step (needs --out).")
 
 
 def bench_row(config, context: int, batch: int = 1, steps: int = 32,
               seed: int = 0, trace_dir: str | None = None) -> dict:
   """One row: time per step and per output token (step / batch) and cache
   bytes of config's model with a cache of `context` positions for `batch`
-  sequences (see the module docstring). With
-  trace_dir, one more run is traced there and the row adds
-  device_ms_per_step, ops_per_step and top_ops ([name, ms per step, count
-  per step] of the 8 busiest)."""
+  sequences (see the module docstring). With trace_dir, one more run is
+  traced there and the row adds device_ms_per_step, ops_per_step and
+  top_ops ([name, ms per step, count per step] of the 8 busiest)."""
   if not 1 <= steps < context:
     raise ValueError(f"steps must be in [1, context={context}), got {steps}")
   model = build_model(config)
@@ -95,27 +94,24 @@ def bench_row(config, context: int, batch: int = 1, steps: int = 32,
   cache = decode.init_cache(model, params, router_state, batch, context)
   report = decode.cache_report(cache)
 
+  def rewind(path, x):
+    # MLA layers hold L - steps tokens; what a run wrote past them does not
+    # change the next run's cost.
+    return jnp.full_like(x, context - steps) if path[-1].key == "index" else x
+
   def fill(path, x):
-    # MLA layers hold L - steps tokens already; latents of unit scale.
-    name = path[-1].key
-    if name == "index":
-      return jnp.full_like(x, context - steps)
-    if name in ("c_kv", "rope_key"):
+    # Latents of unit scale.
+    if path[-1].key in ("c_kv", "rope_key"):
       key = jax.random.fold_in(jax.random.PRNGKey(seed),
                                zlib.crc32(str(path).encode()) % 2**31)
       return jax.random.normal(key, x.shape, x.dtype)
-    return x
-
-  def rewind(path, x):
-    # Back to L - steps for the next run; what the run wrote past it does
-    # not change the cost.
-    return jnp.full_like(x, context - steps) if path[-1].key == "index" else x
+    return rewind(path, x)
   # The cache is donated to each jitted call and returned, so it is never
   # held twice (all-MLA's is 32 GiB at 1M and batch 8).
-  fill, rewind = (jax.jit(functools.partial(jax.tree_util.tree_map_with_path,
-                                            f), donate_argnums=0)
-                  for f in (fill, rewind))
-  cache = fill(cache)
+  fill_cache, rewind_cache = (
+      jax.jit(functools.partial(jax.tree_util.tree_map_with_path, f),
+              donate_argnums=0) for f in (fill, rewind))
+  cache = fill_cache(cache)
 
   @functools.partial(jax.jit, donate_argnums=2)
   def run(params, router_state, cache, token):
@@ -133,7 +129,7 @@ def bench_row(config, context: int, batch: int = 1, steps: int = 32,
     start = time.perf_counter()
     token, cache = run(params, router_state, cache, first)
     token.block_until_ready()
-    return time.perf_counter() - start, rewind(cache)
+    return time.perf_counter() - start, rewind_cache(cache)
 
   compile_s, cache = timed(cache)
   seconds, cache = timed(cache)
@@ -197,12 +193,12 @@ def main(argv):
   config = _CONFIG.value
   try:
     contexts = [int(c) for c in _CONTEXTS.value]
-    batches = [int(b) for b in _BATCH.value]
+    batches = [int(b) for b in _BATCHES.value]
   except ValueError as e:
     raise app.UsageError(f"--contexts and --batches must be integers, got "
-                         f"{_CONTEXTS.value} and {_BATCH.value}") from e
+                         f"{_CONTEXTS.value} and {_BATCHES.value}") from e
   if min(batches, default=0) < 1:
-    raise app.UsageError(f"--batches must be >= 1, got {_BATCH.value}")
+    raise app.UsageError(f"--batches must be >= 1, got {_BATCHES.value}")
   if _PROFILE.value and not _OUT.value:
     raise app.UsageError("--profile needs --out (where the traces go)")
   patterns = _PATTERNS.value or [config.model.layer_pattern, "M"]

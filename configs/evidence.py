@@ -2,9 +2,11 @@
 
 gpu_small-sized runs of 1000 steps (32 x 1024 tokens per step; a few minutes
 each once the training step is fast). The config arg names one sweep, then
-optional variants: 'tiny' (the CPU-sized tiny,smoke model of
-configs/default.py, for tests and notebook 03) or any of configs/gpu_small.py's
-VARIANTS (e.g. 'short').
+optional variants: a size other than gpu_small, 'cpu' (configs/default.py's
+model, 300 steps of 16 x 128 tokens, a few minutes a run on 2 CPU cores; its
+balancing sweeps use 32 sequences per batch) or 'tiny' (the tiny,smoke model
+of configs/default.py, for tests and notebook 03), then any of the size's
+config file's VARIANTS (e.g. gpu_small's 'short').
 
 Sweeps (SWEEPS; one GPU command each, resumable: rerun to continue):
   residuals: standard residuals (baseline), Block AttnRes with 8, 4 and 2
@@ -31,6 +33,12 @@ Sweeps (SWEEPS; one GPU command each, resumable: rerun to continue):
       python -m experiments.sweep --config=configs/evidence.py:balancing_extreme \
           --workdir=runs/ev_balancing_extreme
 
+CPU version (results/evidence.md): configs/default.py's 4 layers (8
+sublayers: block-4 and block-2), lengths 64, 128 and 512 at 2048 tokens per
+step; balancing at 16 experts top-2 and balancing_extreme at 256 top-8, both
+at 32 x 128 tokens per step:
+  python -m experiments.sweep --config=configs/evidence.py:residuals,cpu \
+      --workdir=runs/ev_cpu_residuals
 Tiny CPU version (what the tests and notebook 03 use; 2 layers, so its
 residuals sweep has block-4 and block-2):
   python -m experiments.sweep --config=configs/evidence.py:residuals,tiny \
@@ -41,12 +49,14 @@ from moe_jax.config_base import apply_variant, load_config_file, setter
 SWEEPS = ("residuals", "residual_length", "decay", "balancing",
           "balancing_extreme")
 SEEDS = (0, 1, 2)
-# Sublayers per Block AttnRes block in the residuals sweep, (gpu_small, tiny):
-# 2, 4, 8 blocks of gpu_small's 16 sublayers; 1 and 2 blocks of tiny's 4.
-BLOCK_SIZES = {"gpu_small": (8, 4, 2), "tiny": (4, 2)}
-# Sequence lengths of residual_length: (gpu_small, tiny); tokens per step fixed.
-LENGTHS = {"gpu_small": (256, 1024, 4096), "tiny": (16, 32, 64)}
-TOKENS_PER_STEP = {"gpu_small": 32 * 1024, "tiny": 4 * 32}
+SIZES = ("gpu_small", "cpu", "tiny")
+# Sublayers per Block AttnRes block in the residuals sweep, per size: 2, 4, 8
+# blocks of gpu_small's 16 sublayers; 2 and 4 of cpu's 8; 1 and 2 of tiny's 4.
+BLOCK_SIZES = {"gpu_small": (8, 4, 2), "cpu": (4, 2), "tiny": (4, 2)}
+# Sequence lengths of residual_length per size; tokens per step fixed.
+LENGTHS = {"gpu_small": (256, 1024, 4096), "cpu": (64, 128, 512),
+           "tiny": (16, 32, 64)}
+TOKENS_PER_STEP = {"gpu_small": 32 * 1024, "cpu": 16 * 128, "tiny": 4 * 32}
 LENGTH_BLOCK_SIZE = 2
 G_MINS = (-5.0, -2.0)
 
@@ -63,27 +73,44 @@ def _parse(arg: str | None) -> tuple[str, list[str]]:
   return named[0], [w for w in words if w != named[0]]
 
 
-# Per sweep, what the base model changes: (gpu_small, tiny).
+def _size(variants: list[str]) -> str:
+  """The model size the variants name (default gpu_small)."""
+  named = [v for v in variants if v in SIZES]
+  if len(named) > 1:
+    raise ValueError(f"configs/evidence.py: at most one size, got {named}; "
+                     f"allowed sizes: {list(SIZES)}")
+  return named[0] if named else "gpu_small"
+
+
+# Per sweep and size, what the base model changes. The CPU balancing sweeps
+# take 32 sequences per batch: at 16 the per-batch sampling noise of the
+# expert counts is most of what is left (results/load_balancing.md).
+_CPU_BATCH = setter(**{"data.batch_size": 32})
 _SWEEP_BASE = {
-    "residuals": (setter(), setter()),
-    "residual_length": (setter(), setter()),
-    "decay": (setter(), setter()),
-    "balancing": (setter(), setter()),
-    "balancing_extreme": (
-        load_config_file("gpu_small.py", __file__).VARIANTS["extreme"],
-        setter(**{"model.moe.num_experts": 32, "model.moe.top_k": 8,
-                  "model.moe.d_expert": 8})),
+    "residuals": {},
+    "residual_length": {},
+    "decay": {},
+    "balancing": {"cpu": _CPU_BATCH},
+    "balancing_extreme": {
+        "gpu_small": load_config_file("gpu_small.py", __file__).VARIANTS[
+            "extreme"],
+        "cpu": setter(**{"data.batch_size": 32, "model.moe.num_experts": 256,
+                         "model.moe.top_k": 8, "model.moe.d_expert": 16}),
+        "tiny": setter(**{"model.moe.num_experts": 32, "model.moe.top_k": 8,
+                          "model.moe.d_expert": 8})},
 }
 
 
 def get_config(arg: str | None = None):
-  """The base config of sweep `arg` ('SWEEP[,tiny][,gpu_small variant...]')."""
+  """The base config of sweep `arg` ('SWEEP[,SIZE][,variant...]')."""
   sweep, variants = _parse(arg)
-  if "tiny" in variants:
-    variants.remove("tiny")
+  size = _size(variants)
+  variants = [v for v in variants if v != size]
+  change = _SWEEP_BASE[sweep].get(size, setter())
+  if size != "gpu_small":
     default = load_config_file("default.py", __file__)
-    c = apply_variant(default.get_config(), "tiny,smoke", default.VARIANTS)
-    _SWEEP_BASE[sweep][1](c)
+    c = default.get_config("tiny,smoke" if size == "tiny" else None)
+    change(c)
     return apply_variant(c, ",".join(variants), default.VARIANTS)
   gpu_small = load_config_file("gpu_small.py", __file__)
   c = gpu_small.get_config()
@@ -91,7 +118,7 @@ def get_config(arg: str | None = None):
   c.train.warmup_steps = 100
   c.train.eval_every = 500
   c.train.checkpoint_every = 500
-  _SWEEP_BASE[sweep][0](c)
+  change(c)
   return apply_variant(c, ",".join(variants), gpu_small.VARIANTS)
 
 
@@ -115,7 +142,7 @@ def get_sweep(arg: str | None = None):
   against aux.
   """
   sweep, variants = _parse(arg)
-  size = "tiny" if "tiny" in variants else "gpu_small"
+  size = _size(variants)
   if sweep == "residuals":
     entries = [{"name": "standard",
                 "overrides": {"model.residual": "standard"}}]

@@ -111,6 +111,11 @@ def test_evidence_sweep_names_are_validated():
                                                        "qb-histogram"}
   base, _ = sweep.load_sweep(EVIDENCE + ":balancing_extreme")
   assert (base.model.moe.num_experts, base.model.moe.top_k) == (256, 8)
+  base, _ = sweep.load_sweep(EVIDENCE + ":balancing_extreme,cpu")
+  assert (base.model.moe.num_experts, base.data.batch_size) == (256, 32)
+  with pytest.raises(ValueError, match=r"at most one size, got \['cpu', "
+                     r"'tiny'\]; allowed sizes: \['gpu_small', 'cpu', 'tiny'\]"):
+    sweep.load_sweep(EVIDENCE + ":decay,cpu,tiny")
 
 
 def test_sweep_declarations_are_checked(tmp_path):
@@ -141,7 +146,8 @@ def test_sweep_declarations_are_checked(tmp_path):
 @pytest.mark.parametrize("spec", [
     "ablations.py", "evidence.py:residuals", "evidence.py:residual_length",
     "evidence.py:decay", "evidence.py:balancing",
-    "evidence.py:balancing_extreme", "evidence.py:residual_length,tiny"])
+    "evidence.py:balancing_extreme", "evidence.py:residual_length,tiny",
+    "evidence.py:residual_length,cpu", "evidence.py:balancing_extreme,cpu"])
 def test_every_sweep_entry_is_a_valid_config(spec):
   from moe_jax.config_base import setter
   from moe_jax.config_validation import validate_config

@@ -46,6 +46,10 @@ residuals sweep has block-4 and block-2):
 """
 from moe_jax.config_base import apply_variant, load_config_file, setter
 
+# The config files of the sizes: cpu and tiny are default.py's model.
+_DEFAULT = load_config_file("default.py", __file__)
+_GPU_SMALL = load_config_file("gpu_small.py", __file__)
+
 SWEEPS = ("residuals", "residual_length", "decay", "balancing",
           "balancing_extreme")
 SEEDS = (0, 1, 2)
@@ -82,20 +86,23 @@ def _size(variants: list[str]) -> str:
   return named[0] if named else "gpu_small"
 
 
+def _variants(names: str, variants):
+  """A variant applying the named `variants` ("a,b") in order."""
+  return lambda c: apply_variant(c, names, variants)
+
+
 # Per sweep and size, what the base model changes. The CPU balancing sweeps
-# take 32 sequences per batch: at 16 the per-batch sampling noise of the
-# expert counts is most of what is left (results/load_balancing.md).
-_CPU_BATCH = setter(**{"data.batch_size": 32})
+# take 32 sequences per batch (default.py's batch32): at 16 the per-batch
+# sampling noise of the expert counts is most of what is left
+# (results/load_balancing.md).
 _SWEEP_BASE = {
     "residuals": {},
     "residual_length": {},
     "decay": {},
-    "balancing": {"cpu": _CPU_BATCH},
+    "balancing": {"cpu": _DEFAULT.VARIANTS["batch32"]},
     "balancing_extreme": {
-        "gpu_small": load_config_file("gpu_small.py", __file__).VARIANTS[
-            "extreme"],
-        "cpu": setter(**{"data.batch_size": 32, "model.moe.num_experts": 256,
-                         "model.moe.top_k": 8, "model.moe.d_expert": 16}),
+        "gpu_small": _GPU_SMALL.VARIANTS["extreme"],
+        "cpu": _variants("extreme,batch32", _DEFAULT.VARIANTS),
         "tiny": setter(**{"model.moe.num_experts": 32, "model.moe.top_k": 8,
                           "model.moe.d_expert": 8})},
 }
@@ -108,18 +115,16 @@ def get_config(arg: str | None = None):
   variants = [v for v in variants if v != size]
   change = _SWEEP_BASE[sweep].get(size, setter())
   if size != "gpu_small":
-    default = load_config_file("default.py", __file__)
-    c = default.get_config("tiny,smoke" if size == "tiny" else None)
+    c = _DEFAULT.get_config("tiny,smoke" if size == "tiny" else None)
     change(c)
-    return apply_variant(c, ",".join(variants), default.VARIANTS)
-  gpu_small = load_config_file("gpu_small.py", __file__)
-  c = gpu_small.get_config()
+    return apply_variant(c, ",".join(variants), _DEFAULT.VARIANTS)
+  c = _GPU_SMALL.get_config()
   c.train.steps = 1000
   c.train.warmup_steps = 100
   c.train.eval_every = 500
   c.train.checkpoint_every = 500
   change(c)
-  return apply_variant(c, ",".join(variants), gpu_small.VARIANTS)
+  return apply_variant(c, ",".join(variants), _GPU_SMALL.VARIANTS)
 
 
 def _claim(text, column, candidate, baseline, claim, scale=1.0):

@@ -18,9 +18,10 @@ the time grows with B.
 Prints a table (ms per step and per output token, cache MiB: total, KDA,
 MLA; ratios to the all-MLA row of the same L and B) and writes
 OUT/rows.jsonl and OUT/table.md. With --profile, one more run of the loop
-is traced (OUT/trace_<pattern>_<L>_<B>) and each row adds the device time and the number of device ops per step and
-the busiest ops: a wall time per step far above the device time means the
-step is bound by launching its ops, not by computing them.
+is traced (OUT/trace_<pattern>_<L>_<B>) and each row adds the device time
+and the number of device ops per step and the busiest ops: a wall time per
+step far above the device time means the step is bound by launching its
+ops, not by computing them.
 
   python -m experiments.bench_decode --config=configs/gpu_small.py \
       --contexts=65536,1048576 --profile --out=/tmp/bench_decode

@@ -76,19 +76,22 @@ def expert_load(expert_index: jax.Array, num_experts: int) -> jax.Array:
   Returns:
     [E] fp32 counts (sum = N * k).
   """
-  return sorted_counts(jnp.sort(expert_index.reshape(-1)),
-                       num_experts).astype(jnp.float32)
+  return id_counts(expert_index, num_experts).astype(jnp.float32)
 
 
-def sorted_counts(sorted_ids: jax.Array, n: int) -> jax.Array:
-  """How many of the ascending ids equal each of 0..n-1 (ids >= n are not
-  counted). int [n].
+def id_counts(ids: jax.Array, n: int) -> jax.Array:
+  """How many of ids (any shape, any order) equal each of 0..n-1; ids
+  outside [0, n) are not counted. int32 [n].
 
-  From the sorted ids rather than bincount: bincount's scatter-add of ones
-  onto n bins serialises on the GPU.
+  One compare-and-sum over [n, ids.size], a single fused reduction on the
+  GPU. Not bincount: its scatter-add of ones onto n bins serialises there.
+  Not searchsorted on sorted ids: its binary search is a while loop, and
+  on the GPU every iteration waits for the host to read the loop's
+  predicate (a training step profiled ~1000 such round trips).
   """
-  return jnp.diff(jnp.searchsorted(
-      sorted_ids, jnp.arange(n + 1, dtype=sorted_ids.dtype)))
+  flat = ids.reshape(-1)
+  return jnp.sum(flat[None, :] == jnp.arange(n, dtype=flat.dtype)[:, None],
+                 axis=1, dtype=jnp.int32)
 
 
 def qb_quantile(num_tokens: int, top_k: int, num_experts: int) -> int:

@@ -6,7 +6,7 @@ import pytest
 from flax.core import FrozenDict, freeze
 
 from moe_jax.balancing import (collect_max_violation, expert_load,
-                               max_violation, qb_exact_target,
+                               id_counts, max_violation, qb_exact_target,
                                update_router_state)
 from moe_jax.layers.router import Router
 
@@ -117,6 +117,17 @@ def test_per_expert_threshold_converges_faster():
 def test_qb_target_requires_top_k_below_n():
   with pytest.raises(ValueError, match="top_k"):
     qb_exact_target(jnp.zeros((4, 3)), jnp.zeros((3,)), 3)
+
+
+def test_id_counts_match_bincount():
+  # Unsorted ids, ids equal to n (the dispatch's dropped slots) and above.
+  ids = np.random.default_rng(0).integers(0, 9, size=(37, 3))
+  counts = id_counts(jnp.asarray(ids, jnp.int32), 7)
+  assert counts.dtype == jnp.int32
+  np.testing.assert_array_equal(counts, np.bincount(ids.ravel(),
+                                                    minlength=9)[:7])
+  np.testing.assert_array_equal(expert_load(jnp.asarray(ids), 9),
+                                np.bincount(ids.ravel(), minlength=9))
 
 
 def test_max_violation_known_values():

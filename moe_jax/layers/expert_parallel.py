@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from moe_jax.balancing import sorted_counts
+from moe_jax.balancing import id_counts
 from moe_jax.layers import mesh_utils
 from pallas_kernels.grouped_matmul import Tuning, gmm, mosaic_gpu_available
 
@@ -148,7 +148,7 @@ def ragged_experts(x, idx, w, w_gate, w_up, w_down, matmul="ragged_dot"):
   # order is a permutation: its scatter needs no atomics or ordering.
   inv = jnp.zeros_like(order).at[order].set(
       jnp.arange(order.shape[0], dtype=order.dtype), unique_indices=True)
-  group_sizes = sorted_counts(flat_e[order], e).astype(jnp.int32)  # [E]
+  group_sizes = id_counts(flat_e, e)                             # [E]
   xs = permute_rows(x, order, inv, k)                            # [N*k, D]
   ys = expert_ffn(xs, group_sizes, w_gate, w_up, w_down, matmul)  # [N*k, D]
   # Back to (token, slot) order in the compute dtype, then weighted and

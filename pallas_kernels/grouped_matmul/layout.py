@@ -74,6 +74,14 @@ class Tuning:
             f"of two >= 16), got {v!r}")
 
 
+def _searchsorted(sorted_arr, v, side):
+  """jnp.searchsorted by comparing every (entry, query) pair: one fused op
+  (here a few thousand queries against at most a few thousand entries). The
+  default binary search is a while loop, and on the GPU each of its
+  iterations waits for the host to read the loop's predicate."""
+  return jnp.searchsorted(sorted_arr, v, side=side, method="compare_all")
+
+
 def block_divisor(dim: int, cap: int) -> int:
   """Largest power of two <= cap dividing dim (dim is a multiple of 16)."""
   b = cap
@@ -103,13 +111,13 @@ def visits(group_sizes: jax.Array, m_pad: int, block_m: int) -> tuple:
   first_row = jnp.arange(n_tiles, dtype=jnp.int32) * block_m
   # The group holding row r is the first whose end exceeds r (empty groups
   # never hold a row; ones between g_first and g_last cost a no-op visit).
-  g_first = jnp.searchsorted(end_x, first_row, side="right")
-  g_last = jnp.searchsorted(end_x, first_row + block_m - 1, side="right")
+  g_first = _searchsorted(end_x, first_row, side="right")
+  g_last = _searchsorted(end_x, first_row + block_m - 1, side="right")
   per_tile = (g_last - g_first + 1).astype(jnp.int32)
   offsets = jnp.cumsum(per_tile)
   n_visits = n_tiles + e
   v = jnp.arange(n_visits, dtype=jnp.int32)
-  tile = jnp.minimum(jnp.searchsorted(offsets, v, side="right"),
+  tile = jnp.minimum(_searchsorted(offsets, v, side="right"),
                      n_tiles - 1).astype(jnp.int32)
   group = (g_first[tile] + v - (offsets[tile] - per_tile[tile])).astype(
       jnp.int32)
@@ -129,8 +137,8 @@ def tile_groups(group_sizes: jax.Array, m_pad: int, block_m: int) -> tuple:
   e = group_sizes.shape[0]
   _, end = group_bounds(group_sizes)
   first_row = jnp.arange(m_pad // block_m, dtype=jnp.int32) * block_m
-  first = jnp.searchsorted(end, first_row, side="right").astype(jnp.int32)
-  last = jnp.minimum(jnp.searchsorted(end, first_row + block_m - 1,
+  first = _searchsorted(end, first_row, side="right").astype(jnp.int32)
+  last = jnp.minimum(_searchsorted(end, first_row + block_m - 1,
                                       side="right"), e - 1).astype(jnp.int32)
   return first, last
 

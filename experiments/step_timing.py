@@ -84,11 +84,9 @@ def _build_row(config, r: dict):
   return c, setup, train_iter, put
 
 
-def lower_row(config, r: dict, platform: str, config_name: str = "") -> dict:
-  """Lowers one row's step for `platform` (e.g. "cuda") without compiling
-  or running it, on any machine (the Pallas kernels lower for the card on a
-  CPU): the seconds it takes and the module's text size in MB, what grows
-  with the kernels a step carries and XLA then compiles."""
+def lowered_step(config, r: dict, platform: str) -> str:
+  """The text of one row's train step lowered for `platform` (e.g. "cuda",
+  on any machine: the Pallas kernels lower for the card on a CPU)."""
   import jax
   from moe_jax import sharding
   from moe_jax.train.step import init_train_state
@@ -96,10 +94,17 @@ def lower_row(config, r: dict, platform: str, config_name: str = "") -> dict:
   state = jax.eval_shape(lambda: init_train_state(
       setup.model, setup.tx, setup.rng, c.data.seq_len))
   batch = put(next(train_iter))
-  t0 = time.perf_counter()
   with sharding.use_mesh(setup.mesh):
-    text = setup.train_step.jitted.trace(state, batch).lower(
+    return setup.train_step.jitted.trace(state, batch).lower(
         lowering_platforms=(platform,)).as_text()
+
+
+def lower_row(config, r: dict, platform: str, config_name: str = "") -> dict:
+  """Lowers one row's step for `platform` without compiling or running it:
+  the seconds it takes (setup included) and the module's text size in MB,
+  what grows with the kernels a step carries and XLA then compiles."""
+  t0 = time.perf_counter()
+  text = lowered_step(config, r, platform)
   return dict(r, config=config_name, platform=platform,
               lower_s=time.perf_counter() - t0, module_mb=len(text) / 1e6)
 

@@ -214,7 +214,9 @@ def main(argv):
     rows.append(res)
     with open(os.path.join(_OUT.value, "rows.jsonl"), "a") as f:
       f.write(json.dumps(res) + "\n")
-    if "error" not in res and _PROFILE.value:
+    if "profile_error" in res:
+      print(f"   profile not finished: {res['profile_error']}", flush=True)
+    elif "error" not in res and _PROFILE.value:
       ops = top_ops(os.path.join(_OUT.value, row_name(r)), 10**9)
       step = sum(ms for _, ms, _ in ops) or 1.0
       summary = (f"\n### {row_name(r)}: {step:.1f} ms of device ops\n\n"

@@ -129,8 +129,9 @@ def run_row(config, r: dict, steps: int, warmup: int, profile_dir: str | None,
 
   progress: a file that gets one JSON line per finished phase ({"phase":
   "setup" | "compile", "s": seconds}) and per step ({"step": i, "ms": ...,
-  "loss": ...}) as they happen, so a row stopped by a time limit still
-  says where its time went (`partial_row`).
+  "loss": ...}) as they happen, and the whole row ({"row": ...}) once the
+  timed steps are done, before any profile, so a row stopped by a time
+  limit still says where its time went (`partial_row`).
   """
   def note(**kv):
     if progress:
@@ -173,16 +174,6 @@ def run_row(config, r: dict, steps: int, warmup: int, profile_dir: str | None,
     times.append(time.perf_counter() - t0)
     losses.append(loss)
     note(step=i, ms=1e3 * times[-1], loss=loss)
-  if profile_dir:
-    os.makedirs(profile_dir, exist_ok=True)
-    # The compiled module's text: its op_name metadata attributes each
-    # profiled op to a module of the model (`ops_by_module`).
-    with open(os.path.join(profile_dir, HLO_FILE), "w") as f:
-      f.write(compiled.as_text())
-    b = put(batches[-1])
-    with jax.profiler.trace(profile_dir):
-      state, metrics = compiled(state, b)
-      jax.block_until_ready(metrics)
   step_s = statistics.median(times[warmup:])
   tokens = c.data.batch_size * c.data.seq_len
   flops = plan(c, {}, seq_len=c.data.seq_len,
@@ -190,7 +181,7 @@ def run_row(config, r: dict, steps: int, warmup: int, profile_dir: str | None,
   peak = peak_tflops(dev.device_kind, peak_override)
   mem = dev.memory_stats() or {}
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
-  return dict(
+  row = dict(
       r, config=config_name, device=dev.device_kind,
       jax=jax.__version__, step_ms=1e3 * step_s,
       tokens_per_sec=tokens / step_s,
@@ -203,6 +194,20 @@ def run_row(config, r: dict, steps: int, warmup: int, profile_dir: str | None,
                 if "peak_bytes_in_use" in mem else None),
       setup_s=setup_s, compile_s=compile_s, params=n_params, losses=losses,
       step_ms_all=[1e3 * t for t in times], **stats)
+  # The timed row is complete: a profile stopped by the row's time limit
+  # does not lose it (`partial_row`).
+  note(row=row)
+  if profile_dir:
+    os.makedirs(profile_dir, exist_ok=True)
+    # The compiled module's text: its op_name metadata attributes each
+    # profiled op to a module of the model (`ops_by_module`).
+    with open(os.path.join(profile_dir, HLO_FILE), "w") as f:
+      f.write(compiled.as_text())
+    b = put(batches[-1])
+    with jax.profiler.trace(profile_dir):
+      state, metrics = compiled(state, b)
+      jax.block_until_ready(metrics)
+  return row
 
 
 def _device_events(trace_dir: str):
@@ -414,12 +419,16 @@ def module_table(groups: list[tuple[str, dict[str, float]]]) -> str:
 def partial_row(r: dict, progress: str, error: str) -> dict:
   """The row of a child process that did not finish: `error`, plus the
   phases and steps its progress file recorded (setup_s, compile_s, losses,
-  step_ms_all)."""
-  out = dict(r, error=error)
+  step_ms_all). A row whose timed steps all finished (it stopped while
+  profiling) is returned whole, with `error` as its profile_error."""
   events = []
   if os.path.exists(progress):
     with open(progress) as f:
       events = [json.loads(line) for line in f if line.strip()]
+  timed = [e["row"] for e in events if "row" in e]
+  if timed:
+    return dict(timed[-1], profile_error=error)
+  out = dict(r, error=error)
   for e in events:
     if "phase" in e:
       out[f"{e['phase']}_s"] = e["s"]

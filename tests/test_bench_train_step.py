@@ -40,8 +40,17 @@ def test_row_reports_time_memory_flops_and_losses(tmp_path):
     assert ms[group] > 0, group
   assert groups["kda kernels and elementwise"]["backward"] > 0
   assert "| moe router |" in bench.module_table(list(groups.items()))
-  # The progress file holds what a row stopped by a time limit reports.
+  # The progress file holds what a row stopped by a time limit reports:
+  # stopped while profiling, the whole timed row.
   part = bench.partial_row(SPEC, progress, "timed out after 9 s")
+  assert part == dict(row, profile_error="timed out after 9 s")
+  assert "error" not in part and "| 32 x 4 |" in bench.table([part])
+  # Stopped before its timed row: the phases and steps it finished.
+  lines = open(progress).read().splitlines()
+  with open(progress, "w") as f:
+    f.write("\n".join(ln for ln in lines if '"row"' not in ln) + "\n")
+  part = bench.partial_row(SPEC, progress, "timed out after 9 s")
+  assert part["error"] == "timed out after 9 s"
   assert part["compile_s"] == row["compile_s"]
   assert part["losses"] == row["losses"]
   assert part["step_ms_all"] == row["step_ms_all"]

@@ -16,8 +16,11 @@ the time grows with B.
       --contexts=65536,1048576 --out=/tmp/bench_decode
 
 Prints a table (ms per step and per output token, cache MiB: total, KDA,
-MLA; ratios to the all-MLA row of the same L and B) and writes
-OUT/rows.jsonl and OUT/table.md. With --profile, one more run of the loop
+MLA; the compiled loop's temporary MiB, XLA's count of what it holds
+beside its arguments, where a copy of a layer's cache would show; ratios
+to the all-MLA row of the same L and B) and writes OUT/rows.jsonl and
+OUT/table.md. A row that runs out of device memory is reported as such
+and the next rows still run. With --profile, one more run of the loop
 is traced (OUT/trace_<pattern>_<L>_<B>) and each row adds the device time
 and the number of device ops per step and the busiest ops: a wall time per
 step far above the device time means the step is bound by launching its
@@ -125,14 +128,21 @@ def bench_row(config, context: int, batch: int = 1, steps: int = 32,
 
   first = jnp.zeros((batch,), jnp.int32)
 
+  start = time.perf_counter()
+  loop = run.lower(params, router_state, cache, first).compile()
+  compile_s = time.perf_counter() - start
+  # What the loop holds beside its arguments (the cache is donated and
+  # aliased to the output): a copy of a layer's cache shows up here.
+  temp_bytes = loop.memory_analysis().temp_size_in_bytes
+
   def timed(cache):
     """Seconds of one run of the loop, and the cache rewound for the next."""
     start = time.perf_counter()
-    token, cache = run(params, router_state, cache, first)
+    token, cache = loop(params, router_state, cache, first)
     token.block_until_ready()
     return time.perf_counter() - start, rewind_cache(cache)
 
-  compile_s, cache = timed(cache)
+  _, cache = timed(cache)   # warm-up
   seconds, cache = timed(cache)
   by_kind = {k: sum(r["bytes"] for r in report if r["kind"] == k)
              for k in ("KDA", "MLA")}
@@ -151,21 +161,41 @@ def bench_row(config, context: int, batch: int = 1, steps: int = 32,
           "ms_per_token": 1e3 * seconds / steps / batch,
           "cache_bytes": by_kind["KDA"] + by_kind["MLA"],
           "kda_cache_bytes": by_kind["KDA"],
-          "mla_cache_bytes": by_kind["MLA"], "compile_s": compile_s,
+          "mla_cache_bytes": by_kind["MLA"], "loop_temp_bytes": temp_bytes,
+          "compile_s": compile_s,
           "device": jax.devices()[0].device_kind}
+
+
+def run_row(config, context: int, batch: int, steps: int,
+            trace_dir: str | None) -> dict:
+  """bench_row, or a row naming the error when the device runs out of
+  memory (the rows after it still run)."""
+  try:
+    return bench_row(config, context, batch, steps, trace_dir=trace_dir)
+  except jax.errors.JaxRuntimeError as e:
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    first = str(e).splitlines()[0]
+    return {"pattern": config.model.layer_pattern, "context": context,
+            "batch": batch, "error": "out of memory: " + first[:200]}
 
 
 def table(rows: list[dict]) -> str:
   """Markdown table; ratios to the all-MLA ("M") row of the same context and
   batch; profiled rows add device ms and device ops per step."""
-  ref = {(r["context"], r["batch"]): r for r in rows if r["pattern"] == "M"}
+  ref = {(r["context"], r["batch"]): r for r in rows
+         if r["pattern"] == "M" and "error" not in r}
   profiled = any("device_ms_per_step" in r for r in rows)
   extra = " device ms/step | ops/step |" if profiled else ""
   lines = ["| pattern | L | B | ms/step | ms/token | cache MiB | KDA MiB | "
-           "MLA MiB | time / all-MLA | cache / all-MLA |" + extra,
-           "|" + "---|" * (12 if profiled else 10)]
+           "MLA MiB | loop temp MiB | time / all-MLA | cache / all-MLA |"
+           + extra, "|" + "---|" * (13 if profiled else 11)]
   mib = lambda b: f"{b / 2**20:.4g}"  # noqa: E731
   for r in rows:
+    if "error" in r:
+      lines.append(f"| {r['pattern']} | {r['context']} | {r['batch']} | "
+                   f"{r['error']} |")
+      continue
     m = ref.get((r["context"], r["batch"]))
     ratio = lambda k: f"{r[k] / m[k]:.2f}" if m else "-"  # noqa: E731
     cells = ""
@@ -176,7 +206,8 @@ def table(rows: list[dict]) -> str:
         f"| {r['pattern']} | {r['context']} | {r['batch']} | "
         f"{r['ms_per_step']:.3f} | {r['ms_per_token']:.3f} | "
         f"{mib(r['cache_bytes'])} | {mib(r['kda_cache_bytes'])} | "
-        f"{mib(r['mla_cache_bytes'])} | {ratio('ms_per_token')} | "
+        f"{mib(r['mla_cache_bytes'])} | {mib(r['loop_temp_bytes'])} | "
+        f"{ratio('ms_per_token')} | "
         f"{ratio('cache_bytes')} |" + cells)
   text = "\n".join(lines) + "\n"
   for r in rows:
@@ -212,8 +243,7 @@ def main(argv):
       for batch in batches:
         trace = (os.path.join(_OUT.value, f"trace_{pattern}_{context}_{batch}")
                  if _PROFILE.value else None)
-        rows.append(bench_row(cfg, context, batch, _STEPS.value,
-                              trace_dir=trace))
+        rows.append(run_row(cfg, context, batch, _STEPS.value, trace))
         print(json.dumps(rows[-1]), flush=True)
   text = table(rows)
   print(text)

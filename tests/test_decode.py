@@ -295,6 +295,20 @@ def test_bench_decode_rows_hybrid_against_all_mla(tmp_path):
   # The traced row: device time and ops per step, its busiest ops.
   assert 0 < hybrid["device_ms_per_step"] and hybrid["ops_per_step"] >= 10
   assert len(hybrid["top_ops"]) == 8 and "device_ms_per_step" not in all_mla
+  assert all(row["loop_temp_bytes"] >= 0 for row in rows)
   text = bench_decode.table(rows)
   assert "| KM | 64 | 2 |" in text and text.count("| 1.00 | 1.00 | - | - |") == 1
   assert "Busiest device ops per step, KM at L=64, B=2" in text
+
+
+def test_bench_decode_reports_a_row_out_of_memory(monkeypatch):
+  from experiments import bench_decode
+  def oom(*args, **kwargs):
+    raise jax.errors.JaxRuntimeError(
+        "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 4.00GiB")
+  monkeypatch.setattr(bench_decode, "bench_row", oom)
+  config = load_config("default.py", "tiny,smoke")
+  config.model.layer_pattern = "M"
+  row = bench_decode.run_row(config, 64, 8, 2, None)
+  assert row["error"].startswith("out of memory: RESOURCE_EXHAUSTED")
+  assert "| M | 64 | 8 | out of memory" in bench_decode.table([row])

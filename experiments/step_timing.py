@@ -128,7 +128,8 @@ def run_row(config, r: dict, steps: int, warmup: int, profile_dir: str | None,
   CPU answers whether a change saves memory before a GPU is spent on it).
 
   progress: a file that gets one JSON line per finished phase ({"phase":
-  "setup" | "compile", "s": seconds}) and per step ({"step": i, "ms": ...,
+  "init" | "setup" | "compile", "s": seconds; setup includes init, the
+  jitted initialisation's compile and run}) and per step ({"step": i, "ms": ...,
   "loss": ...}) as they happen, and the whole row ({"row": ...}) once the
   timed steps are done, before any profile, so a row stopped by a time
   limit still says where its time went (`partial_row`).
@@ -148,11 +149,14 @@ def run_row(config, r: dict, steps: int, warmup: int, profile_dir: str | None,
   batches = [next(train_iter) for _ in range(1 if compile_only
                                              else warmup + steps)]
   step_fn = setup.train_step
+  t_init = time.perf_counter()
   state = init_train_state(setup.model, setup.tx, setup.rng, c.data.seq_len,
                            shardings=setup.state_shardings)
 
   jax.block_until_ready(state)
+  init_s = time.perf_counter() - t_init   # the jitted init: compile + run
   setup_s = time.perf_counter() - t_start
+  note(phase="init", s=init_s)
   note(phase="setup", s=setup_s)
   t0 = time.perf_counter()
   compiled = step_fn.lower(state, put(batches[0])).compile()
@@ -162,8 +166,8 @@ def run_row(config, r: dict, steps: int, warmup: int, profile_dir: str | None,
   dev = jax.devices()[0]
   if compile_only:
     return dict(r, config=config_name, device=dev.device_kind,
-                jax=jax.__version__, setup_s=setup_s, compile_s=compile_s,
-                **stats)
+                jax=jax.__version__, setup_s=setup_s, init_s=init_s,
+                compile_s=compile_s, **stats)
   losses, times = [], []
   for i, b in enumerate(batches):
     b = put(b)
@@ -192,7 +196,8 @@ def run_row(config, r: dict, steps: int, warmup: int, profile_dir: str | None,
            if peak else None),
       peak_gib=(mem["peak_bytes_in_use"] / 2**30
                 if "peak_bytes_in_use" in mem else None),
-      setup_s=setup_s, compile_s=compile_s, params=n_params, losses=losses,
+      setup_s=setup_s, init_s=init_s, compile_s=compile_s, params=n_params,
+      losses=losses,
       step_ms_all=[1e3 * t for t in times], **stats)
   # The timed row is complete: a profile stopped by the row's time limit
   # does not lose it (`partial_row`).
@@ -443,6 +448,8 @@ def describe_error(r: dict) -> str:
   """The error with where the row's time went: setup, compile, steps."""
   done = [f"{k[:-2]} {r[k]:.0f} s" for k in ("setup_s", "compile_s")
           if k in r]
+  if "init_s" in r and done:
+    done[0] += f" (init {r['init_s']:.0f} s)"
   if r.get("step_ms_all"):
     ms = ", ".join(f"{v:.0f}" for v in r["step_ms_all"])
     done.append(f"steps {ms} ms")

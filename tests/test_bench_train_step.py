@@ -70,14 +70,15 @@ def test_row_reports_time_memory_flops_and_losses(tmp_path):
 
 def test_unfinished_row_says_where_its_time_went(tmp_path):
   progress = tmp_path / "p.jsonl"
-  progress.write_text('{"phase": "setup", "s": 12.4}\n'
+  progress.write_text('{"phase": "init", "s": 9.1}\n'
+                      '{"phase": "setup", "s": 12.4}\n'
                       '{"phase": "compile", "s": 95.2}\n'
                       '{"step": 0, "ms": 812.0, "loss": 5.5}\n')
   row = bench.partial_row(SPEC, str(progress), "timed out after 150 s")
-  assert bench.describe_error(row) == (
-      "timed out after 150 s (setup 12 s; compile 95 s; steps 812 ms)")
-  md = bench.table([row])
-  assert "| timed out after 150 s (setup 12 s; compile 95 s; steps 812 ms) |" in md
+  said = ("timed out after 150 s (setup 12 s (init 9 s); compile 95 s; "
+          "steps 812 ms)")
+  assert bench.describe_error(row) == said
+  assert f"| {said} |" in bench.table([row])
   # No progress file: the child died before its setup finished.
   row = bench.partial_row(SPEC, str(tmp_path / "none.jsonl"), "failed")
   assert bench.describe_error(row) == "failed" and "losses" not in row

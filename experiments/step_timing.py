@@ -128,11 +128,11 @@ def run_row(config, r: dict, steps: int, warmup: int, profile_dir: str | None,
   CPU answers whether a change saves memory before a GPU is spent on it).
 
   progress: a file that gets one JSON line per finished phase ({"phase":
-  "init" | "setup" | "compile", "s": seconds; setup includes init, the
-  jitted initialisation's compile and run}) and per step ({"step": i, "ms": ...,
-  "loss": ...}) as they happen, and the whole row ({"row": ...}) once the
-  timed steps are done, before any profile, so a row stopped by a time
-  limit still says where its time went (`partial_row`).
+  "init" | "setup" | "compile", "s": seconds}; setup includes init, the
+  jitted initialisation's compile and run) and per step ({"step": i,
+  "ms": ..., "loss": ...}) as they happen, and the whole row ({"row":
+  ...}) once the timed steps are done, before any profile, so a row
+  stopped by a time limit still says where its time went (`partial_row`).
   """
   def note(**kv):
     if progress:
@@ -448,7 +448,7 @@ def describe_error(r: dict) -> str:
   """The error with where the row's time went: setup, compile, steps."""
   done = [f"{k[:-2]} {r[k]:.0f} s" for k in ("setup_s", "compile_s")
           if k in r]
-  if "init_s" in r and done:
+  if "init_s" in r and "setup_s" in r:
     done[0] += f" (init {r['init_s']:.0f} s)"
   if r.get("step_ms_all"):
     ms = ", ".join(f"{v:.0f}" for v in r["step_ms_all"])

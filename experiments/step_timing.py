@@ -84,9 +84,11 @@ def _build_row(config, r: dict):
   return c, setup, train_iter, put
 
 
-def lowered_step(config, r: dict, platform: str) -> str:
-  """The text of one row's train step lowered for `platform` (e.g. "cuda",
-  on any machine: the Pallas kernels lower for the card on a CPU)."""
+def lowered_step(config, r: dict, platform: str) -> tuple[str, float]:
+  """One row's train step lowered for `platform` (e.g. "cuda", on any
+  machine: the Pallas kernels lower for the card on a CPU): the module's
+  text and the seconds the trace and lowering took (the row's setup not
+  counted)."""
   import jax
   from moe_jax import sharding
   from moe_jax.train.step import init_train_state
@@ -94,19 +96,20 @@ def lowered_step(config, r: dict, platform: str) -> str:
   state = jax.eval_shape(lambda: init_train_state(
       setup.model, setup.tx, setup.rng, c.data.seq_len))
   batch = put(next(train_iter))
+  t0 = time.perf_counter()
   with sharding.use_mesh(setup.mesh):
-    return setup.train_step.jitted.trace(state, batch).lower(
+    text = setup.train_step.jitted.trace(state, batch).lower(
         lowering_platforms=(platform,)).as_text()
+  return text, time.perf_counter() - t0
 
 
 def lower_row(config, r: dict, platform: str, config_name: str = "") -> dict:
   """Lowers one row's step for `platform` without compiling or running it:
-  the seconds it takes (setup included) and the module's text size in MB,
-  what grows with the kernels a step carries and XLA then compiles."""
-  t0 = time.perf_counter()
-  text = lowered_step(config, r, platform)
-  return dict(r, config=config_name, platform=platform,
-              lower_s=time.perf_counter() - t0, module_mb=len(text) / 1e6)
+  the seconds it takes and the module's text size in MB, what grows with
+  the kernels a step carries and XLA then compiles."""
+  text, lower_s = lowered_step(config, r, platform)
+  return dict(r, config=config_name, platform=platform, lower_s=lower_s,
+              module_mb=len(text) / 1e6)
 
 
 def lower_table(rows: list[dict]) -> str:

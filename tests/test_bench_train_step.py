@@ -132,9 +132,9 @@ def test_gpu_training_step_has_no_while_loop():
   # round trips per step. The Pallas step, lowered for the card, has none.
   config = load_config("default.py", "tiny,smoke")
   config.model.kda.chunk_size = 64   # the kernels' chunk
-  text = bench.lowered_step(config, dict(SPEC, seq_len=128, batch=2,
-                                         backend="pallas",
-                                         grouped_matmul="pallas"), "cuda")
+  text, _ = bench.lowered_step(config, dict(SPEC, seq_len=128, batch=2,
+                                            backend="pallas",
+                                            grouped_matmul="pallas"), "cuda")
   assert "kda_chunk" in text and "stablehlo.while" not in text
 
 
